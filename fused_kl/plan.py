@@ -1,0 +1,55 @@
+"""Chunk planning and the reduction scale, shared by every backend of both frameworks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Rows per chunk are chosen so that one chunk of logits takes about this many bytes:
+# large enough that the three GEMMs of a chunk run near their peak rate, small enough that
+# the chunk buffer stays far below the gradients' size (see benchmarks/RESULTS.md).
+CHUNK_BYTES = 1 << 29
+# GEMM-friendly granularity of the row count.
+ROW_MULTIPLE = 256
+# The widest column block the row kernel walks at once (fp32 registers per program).
+MAX_BLOCK_V = 4096
+INT32_MAX = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How the rows are cut: ``bounds`` are the chunks' ``(start, stop)`` row ranges."""
+
+    chunk_rows: int
+    block_v: int
+    bounds: tuple[tuple[int, int], ...]
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def default_chunk_rows(n: int, v: int, logits_itemsize: int) -> int:
+    """Rows per chunk so one chunk of logits is about ``CHUNK_BYTES``."""
+    rows = CHUNK_BYTES // (v * logits_itemsize)
+    rows = max(ROW_MULTIPLE, rows // ROW_MULTIPLE * ROW_MULTIPLE)
+    return max(1, min(rows, n))
+
+
+def plan_chunks(n: int, v: int, logits_itemsize: int, chunk_size: int | None) -> Plan:
+    """Cut ``n`` rows into chunks; the kernel's in-chunk offsets then fit in 32 bits."""
+    rows = chunk_size if chunk_size is not None else default_chunk_rows(n, v, logits_itemsize)
+    rows = max(1, min(rows, n, INT32_MAX // v))
+    bounds = tuple((s, min(s + rows, n)) for s in range(0, n, rows))
+    return Plan(chunk_rows=rows, block_v=min(MAX_BLOCK_V, next_power_of_2(v)), bounds=bounds)
+
+
+def reduction_scale(kept, reduction: str, v: int):
+    """``1/n``, ``1`` or ``1/(n*V)`` from the float32 count of kept rows; 0 when ``n == 0``.
+
+    Written with operators only, so the same code runs on a torch tensor and a JAX array,
+    on the device and without a host sync.
+    """
+    if reduction == "sum":
+        return (kept > 0) * 1.0
+    denom = kept * v if reduction == "mean" else kept
+    return (kept > 0) / (denom + (kept == 0))

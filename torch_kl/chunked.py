@@ -1,0 +1,141 @@
+"""Stages 2-4 in PyTorch: plan the chunks, then per chunk one GEMM, the row kernel, two GEMMs.
+
+The ``[N, V]`` logits never exist: one ``[chunk, V]`` buffer is reused for every chunk's
+logits and, after the row kernel, for its ``dL/dz``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from fused_kl.contract import Options
+from fused_kl.plan import plan_chunks, reduction_scale
+
+from . import plain
+
+Kernel = Callable[..., None]
+
+
+@dataclass(frozen=True)
+class Needs:
+    """Which gradients to compute; all False computes the loss alone."""
+
+    x: bool = False
+    weight: bool = False
+    bias: bool = False
+
+    @property
+    def any(self) -> bool:
+        return self.x or self.weight or self.bias
+
+
+def row_kernel(backend: str) -> Kernel:
+    """The row kernel of a backend: Triton's (imported only when asked for) or plain torch."""
+    if backend == "triton":
+        from . import kernel
+
+        return kernel.kl_rows
+    return plain.kl_rows
+
+
+_ADDMM_OUT_DTYPE: dict[str, bool] = {}
+
+
+def _has_addmm_out_dtype(device: torch.device) -> bool:
+    """Whether ``torch.addmm(..., out_dtype=float32)`` runs on this device type (torch >= 2.8, CUDA)."""
+    if device.type not in _ADDMM_OUT_DTYPE:
+        a = torch.zeros(1, 1, dtype=torch.bfloat16, device=device)
+        try:
+            torch.addmm(torch.zeros(1, 1, device=device), a, a, out_dtype=torch.float32)
+            _ADDMM_OUT_DTYPE[device.type] = True
+        except (TypeError, RuntimeError, NotImplementedError):
+            _ADDMM_OUT_DTYPE[device.type] = False
+    return _ADDMM_OUT_DTYPE[device.type]
+
+
+def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` with the product accumulated in ``acc``'s dtype."""
+    if acc.dtype == a.dtype:
+        acc.addmm_(a, b)
+    elif acc.dtype == torch.float32 and _has_addmm_out_dtype(acc.device):
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:
+        acc.add_(torch.mm(a, b))
+
+
+def forward(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    labels: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    opts: Options,
+    needs: Needs,
+    out: dict[str, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Loss and the needed gradients of 2-D inputs ``x [N, H]``, ``target [N, V]``, ``labels [N]``.
+
+    ``out`` may hold preallocated ``loss``/``grad_x``/``grad_weight``/``grad_bias`` to write
+    into (the bridge hands JAX's output buffers this way).
+    """
+    out = out or {}
+    n, h = x.shape
+    v = weight.shape[0]
+    dev = x.device
+    plan = plan_chunks(n, v, x.element_size(), opts.chunk_size)
+    kernel = row_kernel(opts.backend)
+
+    if labels is None:
+        kept = torch.full((), float(n), dtype=torch.float32, device=dev)
+    else:
+        kept = (labels != opts.ignore_index).sum(dtype=torch.float32)
+    scale = reduction_scale(kept, opts.reduction, v).to(torch.float32).reshape(1)
+
+    accum = getattr(torch, opts.accum_dtype) if opts.accum_dtype else weight.dtype
+    row_loss = torch.empty(n, dtype=torch.float32, device=dev)
+    grad_x = _buffer(out, "grad_x", x.dtype, (n, h), dev) if needs.x else None
+    grad_w = _buffer(out, "grad_weight", accum, (v, h), dev).zero_() if needs.weight else None
+    grad_b = _buffer(out, "grad_bias", torch.float32, (v,), dev).zero_() if needs.bias else None
+    wt = weight.t()
+
+    buf = torch.empty(plan.chunk_rows if n else 0, v, dtype=x.dtype, device=dev)
+    for start, stop in plan.bounds:
+        xc, z = x[start:stop], buf[: stop - start]
+        if bias is None:
+            torch.mm(xc, wt, out=z)
+        else:
+            torch.addmm(bias, xc, wt, out=z)
+        kernel(z, target, labels, scale, row_loss, start, opts, plan.block_v, needs.any)
+        if grad_x is not None:
+            torch.mm(z, weight, out=grad_x[start:stop])
+        if grad_w is not None:
+            _accumulate(grad_w, z.t(), xc)
+        if grad_b is not None:
+            grad_b += z.sum(0, dtype=torch.float32)
+
+    loss = _cast_into(row_loss.sum(), out.get("loss"), torch.float32)
+    if grad_w is not None:
+        grad_w = _cast_into(grad_w, out.get("grad_weight"), weight.dtype)
+    if grad_b is not None:
+        grad_b = _cast_into(grad_b, out.get("grad_bias"), bias.dtype)  # type: ignore[union-attr]
+    return loss, grad_x, grad_w, grad_b
+
+
+def _buffer(out: dict[str, torch.Tensor], key: str, dtype: torch.dtype, shape: tuple[int, ...], dev: torch.device) -> torch.Tensor:
+    """The caller's output buffer ``out[key]`` if it has this dtype, else a new one."""
+    given = out.get(key)
+    if given is not None and given.dtype == dtype:
+        return given
+    return torch.empty(shape, dtype=dtype, device=dev)
+
+
+def _cast_into(value: torch.Tensor, dest: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """``value`` in ``dtype``, written into ``dest`` when one is given (a no-op if it is ``dest``)."""
+    if dest is None:
+        return value.to(dtype)
+    if dest is not value:
+        dest.copy_(value)
+    return dest
