@@ -59,10 +59,20 @@ def fused_linear_kl_div(
         The float32 scalar loss. Works under ``jax.jit``, ``jax.grad`` and ``jax.value_and_grad``.
     """
     shapes, opts = validate(
-        x, weight, target, labels, bias,
-        reduction=reduction, ignore_index=ignore_index, temperature=temperature, eps=eps,
-        target_format=target_format, teacher_temperature=teacher_temperature,
-        accum_dtype=accum_dtype, chunk_size=chunk_size, backend=backend,
+        x,
+        weight,
+        target,
+        labels,
+        bias,
+        reduction=reduction,
+        ignore_index=ignore_index,
+        temperature=temperature,
+        eps=eps,
+        target_format=target_format,
+        teacher_temperature=teacher_temperature,
+        accum_dtype=accum_dtype,
+        chunk_size=chunk_size,
+        backend=backend,
     )
     x = jnp.asarray(x)
     x2 = x.reshape(shapes.n, shapes.h)
@@ -70,6 +80,3 @@ def fused_linear_kl_div(
     labels1 = None if labels is None else jnp.asarray(labels).reshape(shapes.n)
     bias = None if bias is None else jnp.asarray(bias)
     return fused_linear_kl_div_vjp(x2, jnp.asarray(weight), target2, labels1, bias, opts, _compute(opts.backend))
-
-
-

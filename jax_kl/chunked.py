@@ -63,18 +63,23 @@ def forward(
     row_losses, grad_x_rows = [], []
     grad_w = jnp.zeros((v, h), accum)
     grad_b = jnp.zeros((v,), jnp.float32)
+    done = scale  # what the previous chunk produced last
     for start, stop in plan.bounds:
-        xc = x[start:stop]
+        # Start a chunk only once the previous one is done, so XLA cannot hoist the
+        # logits GEMMs and keep several [chunk, V] buffers alive at once.
+        xc, _ = lax.optimization_barrier((x[start:stop], done))
         if bias is None:
             z = _dot(xc, weight, (1, 1), x.dtype)
         else:
             z = (_dot(xc, weight, (1, 1), jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
         g, row_loss = kernel(z, target, labels, scale, start, opts, plan.block_v, with_grads)
         row_losses.append(row_loss)
+        done = row_loss
         if with_grads:
             grad_x_rows.append(_dot(g, weight, (1, 0), x.dtype))
             grad_w = grad_w + _dot(g, xc, (0, 0), accum)
             grad_b = grad_b + jnp.sum(g, axis=0, dtype=jnp.float32)
+            done = (grad_x_rows[-1], grad_w, grad_b)
 
     loss = jnp.sum(jnp.concatenate(row_losses)) if row_losses else jnp.float32(0.0)
     if not with_grads:

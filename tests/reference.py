@@ -25,8 +25,18 @@ def _log_softmax(a: np.ndarray) -> np.ndarray:
 
 
 def reference(
-    x, weight, target, labels=None, *, bias=None, reduction="batchmean", ignore_index=-100,
-    temperature=1.0, eps=1e-10, target_format="probs", teacher_temperature=None,
+    x,
+    weight,
+    target,
+    labels=None,
+    *,
+    bias=None,
+    reduction="batchmean",
+    ignore_index=-100,
+    temperature=1.0,
+    eps=1e-10,
+    target_format="probs",
+    teacher_temperature=None,
 ) -> Expected:
     """Loss and gradients in float64 of NumPy arrays (any float dtype, upcast here)."""
     x = np.asarray(x, np.float64)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import torch
 
 from . import chunked
@@ -66,10 +65,20 @@ def fused_linear_kl_div(
         this call (only those that are needed) and scaled by the upstream gradient in backward.
     """
     shapes, opts = validate(
-        x, weight, target, labels, bias,
-        reduction=reduction, ignore_index=ignore_index, temperature=temperature, eps=eps,
-        target_format=target_format, teacher_temperature=teacher_temperature,
-        accum_dtype=accum_dtype, chunk_size=chunk_size, backend=backend,
+        x,
+        weight,
+        target,
+        labels,
+        bias,
+        reduction=reduction,
+        ignore_index=ignore_index,
+        temperature=temperature,
+        eps=eps,
+        target_format=target_format,
+        teacher_temperature=teacher_temperature,
+        accum_dtype=accum_dtype,
+        chunk_size=chunk_size,
+        backend=backend,
     )
     x, weight, bias = _autocast(x, weight, bias)
     x2 = x.reshape(shapes.n, shapes.h)
@@ -77,12 +86,7 @@ def fused_linear_kl_div(
     labels1 = None if labels is None else labels.reshape(shapes.n)
     compute = _compute(opts.backend)
     with torch.autocast(x.device.type, enabled=False):
-        grad_wanted = torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (x, weight, bias)
-        )
+        grad_wanted = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
         if not grad_wanted:
             return compute(x2, weight, target2, labels1, bias, opts, chunked.Needs())[0]
         return FusedLinearKLDivFunction.apply(x2, weight, target2.detach(), labels1, bias, opts, compute)
-
-
-

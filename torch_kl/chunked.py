@@ -124,7 +124,9 @@ def forward(
     return loss, grad_x, grad_w, grad_b
 
 
-def _buffer(out: dict[str, torch.Tensor], key: str, dtype: torch.dtype, shape: tuple[int, ...], dev: torch.device) -> torch.Tensor:
+def _buffer(
+    out: dict[str, torch.Tensor], key: str, dtype: torch.dtype, shape: tuple[int, ...], dev: torch.device
+) -> torch.Tensor:
     """The caller's output buffer ``out[key]`` if it has this dtype, else a new one."""
     given = out.get(key)
     if given is not None and given.dtype == dtype:

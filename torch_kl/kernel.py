@@ -33,13 +33,21 @@ LOGITS: tl.constexpr = tl.constexpr(2)
 
 @triton.jit
 def _kl_rows_kernel(
-    z_ptr, z_stride,  # [rows, V] chunk logits, overwritten with dL/dz
-    t_ptr, t_stride_row, t_stride_col,  # [N, V] full target
-    labels_ptr, labels_stride,  # [N] full labels (unused without HAS_LABELS)
+    z_ptr,
+    z_stride,  # [rows, V] chunk logits, overwritten with dL/dz
+    t_ptr,
+    t_stride_row,
+    t_stride_col,  # [N, V] full target
+    labels_ptr,
+    labels_stride,  # [N] full labels (unused without HAS_LABELS)
     scale_ptr,  # [1] float32 reduction scale
     loss_ptr,  # [N] float32 row losses
-    row0, V, ignore_index,
-    inv_t, inv_tt, eps,
+    row0,
+    V,
+    ignore_index,
+    inv_t,
+    inv_tt,
+    eps,
     FORMAT: tl.constexpr,
     HAS_LABELS: tl.constexpr,
     WRITE_GRAD: tl.constexpr,
@@ -125,13 +133,21 @@ def kl_rows(
     if rows == 0:
         return
     _kl_rows_kernel[(rows,)](
-        z, z.stride(0),
-        target, target.stride(0), target.stride(1),
-        labels if labels is not None else row_loss, labels.stride(0) if labels is not None else 0,
+        z,
+        z.stride(0),
+        target,
+        target.stride(0),
+        target.stride(1),
+        labels if labels is not None else row_loss,
+        labels.stride(0) if labels is not None else 0,
         scale,
         row_loss,
-        row0, v, opts.ignore_index,
-        1.0 / opts.temperature, 1.0 / opts.teacher_temperature, opts.eps,
+        row0,
+        v,
+        opts.ignore_index,
+        1.0 / opts.temperature,
+        1.0 / opts.teacher_temperature,
+        opts.eps,
         FORMAT=TARGET_FORMATS.index(opts.target_format),
         HAS_LABELS=labels is not None,
         WRITE_GRAD=write_grad,

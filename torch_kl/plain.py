@@ -36,7 +36,9 @@ def kl_rows(
         log_p = torch.log_softmax(t / opts.teacher_temperature, dim=-1)
         p = torch.exp(log_p)
     term = torch.where(p == 0, 0.0, p * (log_p - log_q))
-    keep = (labels[rows] != opts.ignore_index) if labels is not None else torch.ones_like(row_loss[rows], dtype=torch.bool)
+    keep = (
+        (labels[rows] != opts.ignore_index) if labels is not None else torch.ones_like(row_loss[rows], dtype=torch.bool)
+    )
     row_loss[rows] = torch.where(keep, term.sum(-1) * scale, 0.0)
     if write_grad:
         p_sum = 1.0 if opts.target_format == "logits" else p.sum(-1, keepdim=True)
