@@ -56,14 +56,49 @@ def _has_addmm_out_dtype(device: torch.device) -> bool:
     return _ADDMM_OUT_DTYPE[device.type]
 
 
-def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``acc += a @ b`` with the product accumulated in ``acc``'s dtype."""
+def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
+    """``acc (+)= a @ b`` with the product accumulated in ``acc``'s dtype.
+
+    The first product of a same-dtype accumulator overwrites it: no zero fill, no read.
+    A wider accumulator must have been zeroed.
+    """
     if acc.dtype == a.dtype:
-        acc.addmm_(a, b)
+        if first:
+            torch.mm(a, b, out=acc)
+        else:
+            acc.addmm_(a, b)
     elif acc.dtype == torch.float32 and _has_addmm_out_dtype(acc.device):
         torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
     else:
         acc.add_(torch.mm(a, b))
+
+
+class _SideStream:
+    """Runs the memory-bound row kernel of chunk ``i`` on a second CUDA stream while the
+    compute-bound logits GEMM of chunk ``i + 1`` runs on the current one; events order them.
+    Off CUDA (or for the plain-torch kernel) it runs everything in order, in place."""
+
+    def __init__(self, device: torch.device, enabled: bool) -> None:
+        self.stream = torch.cuda.Stream(device) if enabled else None
+
+    @property
+    def lag(self) -> int:
+        """How many chunks' gradient GEMMs may wait behind the next chunk's logits GEMM."""
+        return 0 if self.stream is None else 1
+
+    def launch(self, fn: Callable[[], None]) -> torch.cuda.Event | None:
+        if self.stream is None:
+            fn()
+            return None
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            fn()
+            return self.stream.record_event()
+
+    @staticmethod
+    def wait(event: torch.cuda.Event | None) -> None:
+        if event is not None:
+            torch.cuda.current_stream().wait_event(event)
 
 
 def forward(
@@ -87,6 +122,7 @@ def forward(
     dev = x.device
     plan = plan_chunks(n, v, x.element_size(), opts.chunk_size)
     kernel = row_kernel(opts.backend)
+    side = _SideStream(dev, opts.backend == "triton" and dev.type == "cuda" and len(plan.bounds) > 1)
 
     if labels is None:
         kept = torch.full((), float(n), dtype=torch.float32, device=dev)
@@ -97,24 +133,38 @@ def forward(
     accum = getattr(torch, opts.accum_dtype) if opts.accum_dtype else weight.dtype
     row_loss = torch.empty(n, dtype=torch.float32, device=dev)
     grad_x = _buffer(out, "grad_x", x.dtype, (n, h), dev) if needs.x else None
-    grad_w = _buffer(out, "grad_weight", accum, (v, h), dev).zero_() if needs.weight else None
+    grad_w = _buffer(out, "grad_weight", accum, (v, h), dev) if needs.weight else None
+    if grad_w is not None and (accum != x.dtype or not plan.bounds):
+        grad_w.zero_()
     grad_b = _buffer(out, "grad_bias", torch.float32, (v,), dev).zero_() if needs.bias else None
     wt = weight.t()
 
-    buf = torch.empty(plan.chunk_rows if n else 0, v, dtype=x.dtype, device=dev)
-    for start, stop in plan.bounds:
-        xc, z = x[start:stop], buf[: stop - start]
-        if bias is None:
-            torch.mm(xc, wt, out=z)
-        else:
-            torch.addmm(bias, xc, wt, out=z)
-        kernel(z, target, labels, scale, row_loss, start, opts, plan.block_v, needs.any)
+    def gradient_gemms(start: int, stop: int, g: torch.Tensor, ready: torch.cuda.Event | None) -> None:
+        side.wait(ready)
         if grad_x is not None:
-            torch.mm(z, weight, out=grad_x[start:stop])
+            torch.mm(g, weight, out=grad_x[start:stop])
         if grad_w is not None:
-            _accumulate(grad_w, z.t(), xc)
+            _accumulate(grad_w, g.t(), x[start:stop], first=start == 0)
         if grad_b is not None:
-            grad_b += z.sum(0, dtype=torch.float32)
+            grad_b.add_(g.sum(0, dtype=torch.float32))
+
+    # One [chunk, V] buffer per chunk in flight: the logits, then dL/dz in place.
+    buffers = [torch.empty(plan.chunk_rows if n else 0, v, dtype=x.dtype, device=dev) for _ in range(side.lag + 1)]
+    pending: list[tuple[int, int, torch.Tensor, torch.cuda.Event | None]] = []
+    for i, (start, stop) in enumerate(plan.bounds):
+        z = buffers[i % len(buffers)][: stop - start]
+        if bias is None:
+            torch.mm(x[start:stop], wt, out=z)
+        else:
+            torch.addmm(bias, x[start:stop], wt, out=z)
+        ready = side.launch(
+            lambda z=z, start=start: kernel(z, target, labels, scale, row_loss, start, opts, plan.block_v, needs.any)
+        )
+        pending.append((start, stop, z, ready))
+        while len(pending) > side.lag:
+            gradient_gemms(*pending.pop(0))
+    for chunk in pending:
+        gradient_gemms(*chunk)
 
     loss = _cast_into(row_loss.sum(), out.get("loss"), torch.float32)
     if grad_w is not None:
