@@ -58,7 +58,6 @@ def reference(
     w = f64(weight)
     v = w.shape[0]
     t = f64(target).reshape(-1, v)
-    n = x2.shape[0]
     keep = xp.ones_like(x2[:, 0]) > 0 if labels is None else xp.asarray(labels).reshape(-1) != ignore_index
     keep = keep if xp is np else keep.to(x.device)
     tt = temperature if teacher_temperature is None else teacher_temperature

@@ -52,7 +52,7 @@ def test_frameworks_agree(pair: tuple[str, str], case: str) -> None:
     got_j = _jax_run(pair[1], *map(to_jax, (x, w, t, lab, b)), jax_options)
     tol = TOLERANCE[inp.dtype]
     assert abs(got_t[0] - got_j[0]) <= tol * max(abs(got_t[0]), 1e-6), (got_t[0], got_j[0])
-    for name, a, c in zip(("grad_x", "grad_weight", "grad_bias"), got_t[1:], got_j[1:]):
+    for name, a, c in zip(("grad_x", "grad_weight", "grad_bias"), got_t[1:], got_j[1:], strict=False):
         assert (a is None) == (c is None), name
         if a is not None:
             assert rel_err(c, a) <= tol, f"{name}: {rel_err(c, a):.3g}"

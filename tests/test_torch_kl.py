@@ -42,14 +42,14 @@ def test_inputs_are_never_modified(backend: str) -> None:
     before = [None if a is None else a.detach().clone() for a in tensors]
     loss = torch_kl.fused_linear_kl_div(*tensors[:4], bias=tensors[4], backend=backend, chunk_size=3)
     loss.backward()
-    for a, b in zip(tensors, before):
+    for a, b in zip(tensors, before, strict=False):
         assert torch.equal(a.detach(), b)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_non_contiguous_inputs(backend: str) -> None:
     inp = make_inputs(9, 6, 31, target_format="log_probs")
-    x, w, t, lab, _ = _tensors(inp)
+    _x, _w, _t, lab, _ = _tensors(inp)
     x_nc = torch.tensor(inp.x.T.copy()).T.requires_grad_()  # column-major
     t_nc = torch.tensor(inp.target.T.copy()).T
     w_nc = torch.tensor(np.asfortranarray(inp.weight)).requires_grad_()
