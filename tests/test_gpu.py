@@ -45,10 +45,15 @@ def _check(backend, inputs, tol, **options):
     assert torch.isfinite(loss), loss
     assert abs(float(loss) - ref.loss) <= tol * max(abs(ref.loss), 1e-6), (float(loss), ref.loss)
     assert gx.dtype == x.dtype and gw.dtype == w.dtype
-    errors = {"grad_x": rel(gx, ref.grad_x), "grad_weight": rel(gw, ref.grad_weight)}
+    pairs = {"grad_x": (gx, ref.grad_x), "grad_weight": (gw, ref.grad_weight)}
     if b is not None:
-        errors["grad_bias"] = rel(gb, ref.grad_bias)
-    assert all(e <= tol for e in errors.values()), errors
+        pairs["grad_bias"] = (gb, ref.grad_bias)
+    errors = {k: rel(got, want) for k, (got, want) in pairs.items()}
+    # A gradient is held in its input's dtype: float16 gradients of a mean-reduced loss can
+    # be subnormal or underflow, exactly as in the unfused float16 loss. Allow twice the error
+    # of the reference itself rounded to that dtype on top of the tolerance.
+    limits = {k: tol + 2 * rel(want.to(got.dtype), want) for k, (got, want) in pairs.items()}
+    assert all(errors[k] <= limits[k] for k in errors), (errors, limits)
     return errors
 
 
