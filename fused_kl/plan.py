@@ -7,7 +7,7 @@ from dataclasses import dataclass
 # Rows per chunk are chosen so that one chunk of logits takes about this many bytes:
 # large enough that the three GEMMs of a chunk run near their peak rate, small enough that
 # the chunk buffer stays far below the gradients' size (see benchmarks/RESULTS.md).
-CHUNK_BYTES = 1 << 29
+CHUNK_BYTES = 768 << 20
 # GEMM-friendly granularity of the row count.
 ROW_MULTIPLE = 256
 # The widest column block the row kernel walks at once (fp32 registers per program).
@@ -41,6 +41,19 @@ def plan_chunks(n: int, v: int, logits_itemsize: int, chunk_size: int | None) ->
     rows = max(1, min(rows, n, INT32_MAX // v))
     bounds = tuple((s, min(s + rows, n)) for s in range(0, n, rows))
     return Plan(chunk_rows=rows, block_v=min(MAX_BLOCK_V, next_power_of_2(v)), bounds=bounds)
+
+
+def float16_unscale(scale, xp):
+    """The power of two ``c`` that float16 gradients are stored divided by, and multiplied by after.
+
+    ``dL/dz`` is stored in the logits' dtype. Scaled by ``1/n`` (or ``1/(n*V)``) it falls below
+    float16's smallest normal number (2**-14) and loses its precision before the gradient GEMMs,
+    as it does in the unfused float16 loss. So the float16 kernels store ``dL/dz / c`` with
+    ``c = 2**floor(log2(s))`` clamped to ``[2**-14, 1]``, and the gradients are multiplied by
+    ``c`` after their GEMMs: exact, since ``c`` is a power of two and a normal float16 number.
+    ``xp`` is ``torch`` or ``jax.numpy``; the count stays on the device.
+    """
+    return xp.exp2(xp.clip(xp.floor(xp.log2(scale)), -14.0, 0.0))
 
 
 def reduction_scale(kept, reduction: str, v: int):

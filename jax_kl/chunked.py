@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from fused_kl.contract import Options
-from fused_kl.plan import plan_chunks, reduction_scale
+from fused_kl.plan import float16_unscale, plan_chunks, reduction_scale
 
 from . import plain
 
@@ -57,7 +57,9 @@ def forward(
     kernel = row_kernel(opts.backend)
 
     kept = jnp.float32(n) if labels is None else jnp.sum(labels != opts.ignore_index, dtype=jnp.float32)
-    scale = jnp.reshape(reduction_scale(kept, opts.reduction, v).astype(jnp.float32), (1,))
+    loss_scale = reduction_scale(kept, opts.reduction, v).astype(jnp.float32)
+    unscale = float16_unscale(loss_scale, jnp) if x.dtype == jnp.float16 else jnp.float32(1.0)
+    scale = jnp.stack([loss_scale, loss_scale / unscale])
 
     accum = jnp.dtype(opts.accum_dtype) if opts.accum_dtype else weight.dtype
     row_losses, grad_x_rows = [], []
@@ -85,9 +87,13 @@ def forward(
     if not with_grads:
         return loss, None, None, None
     grad_x = jnp.concatenate(grad_x_rows) if grad_x_rows else jnp.zeros_like(x)
+
+    def unscaled(grad: jax.Array, dtype) -> jax.Array:  # exact: a power of two
+        return (grad * unscale.astype(grad.dtype)).astype(dtype)
+
     return (
         loss,
-        grad_x,
-        grad_w.astype(weight.dtype),
-        None if bias is None else grad_b.astype(bias.dtype),
+        unscaled(grad_x, x.dtype),
+        unscaled(grad_w, weight.dtype),
+        None if bias is None else unscaled(grad_b, bias.dtype),
     )

@@ -12,7 +12,9 @@ Math, per row ``i`` of the chunk (``z`` the logits, ``t`` the target, all in flo
     loss_i  = s * sum_j [p_ij * (log_p_ij - log_q_ij)]   (a term with p_ij == 0 counts 0)
     dL/dz_ij = s * (q_ij * S_i - p_ij) / T               (pass 2, written over z)
 
-``s`` is the reduction scale (read from device memory: no host sync), and rows whose label
+``s`` is the reduction scale and ``s_g`` the scale dL/dz is stored at (``s``, or ``s / c``
+for float16: see ``fused_kl.plan.float16_unscale``), both read from device memory (no host
+sync). Rows whose label
 is ``ignore_index`` get ``loss_i = 0`` and ``dL/dz_i = 0``. ``dL/dz`` overwrites the logits
 through ``input_output_aliases``, so no second ``[chunk, V]`` buffer exists. Pallas's Triton
 lowering switches to 64-bit offsets itself when an operand exceeds 4 GiB (the full target
@@ -53,6 +55,7 @@ def _kl_rows_kernel(
     else:
         keep = True
     scale = scale_ref[0]
+    grad_scale = scale_ref[1]
     cols0 = jnp.arange(block_v)
     neg_inf = -jnp.inf
 
@@ -86,7 +89,7 @@ def _kl_rows_kernel(
     if target_format == "logits":
         lse_t = mt + jnp.log(ltsum)
         p_sum = f32(1.0)
-    g_scale = jnp.where(keep, scale * inv_t, 0.0)
+    g_scale = jnp.where(keep, grad_scale * inv_t, 0.0)
 
     # Pass 2: the row's loss, and dL/dz written over the logits.
     def pass2(i, acc):
@@ -144,7 +147,7 @@ def kl_rows(
     this_row = pl.BlockSpec((None, v), lambda i: (i, 0))
     batch_row = pl.BlockSpec((None, v), lambda i: (i + row0, 0))
     one = pl.BlockSpec((1,), lambda i: (i,))
-    in_specs = [pl.BlockSpec((1,), lambda i: (0,))]
+    in_specs = [pl.BlockSpec((2,), lambda i: (0,))]
     args = [scale]
     if labels is not None:
         in_specs.append(pl.BlockSpec((1,), lambda i: (i + row0,)))

@@ -36,9 +36,9 @@ def kl_rows(
         p = jnp.exp(log_p)
     term = jnp.where(p == 0, 0.0, p * (log_p - log_q))
     keep = (labels[rows] != opts.ignore_index) if labels is not None else jnp.ones(z.shape[0], bool)
-    row_loss = jnp.where(keep, term.sum(-1) * scale, 0.0)
+    row_loss = jnp.where(keep, term.sum(-1) * scale[0], 0.0)
     if not write_grad:
         return None, row_loss
     p_sum = 1.0 if opts.target_format == "logits" else p.sum(-1, keepdims=True)
-    g = (jnp.exp(log_q) * p_sum - p) * (scale / opts.temperature)
+    g = (jnp.exp(log_q) * p_sum - p) * (scale[1] / opts.temperature)
     return jnp.where(keep[:, None], g, 0.0).astype(z.dtype), row_loss

@@ -35,6 +35,8 @@ CASES = {
     "v1423": (dict(n=6, h=8, v=1423), dict(chunk_size=4)),
     "v4099": (dict(n=5, h=4, v=4099, target_format="logits"), dict(target_format="logits", chunk_size=3)),
     "many-chunks": (dict(n=40, h=6, v=35), dict(chunk_size=7)),
+    # float16 dL/dz scaled by 1/n would be subnormal: stored prescaled (fused_kl.plan.float16_unscale).
+    "fp16-small-gradients": (dict(n=200, h=16, v=1000, dtype="float16"), dict(temperature=4.0)),
     "all-ignored": (dict(n=9, h=5, v=33, ignore_frac=1.0, bias=True), dict()),
 }
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from fused_kl.contract import Options
-from fused_kl.plan import plan_chunks, reduction_scale
+from fused_kl.plan import float16_unscale, plan_chunks, reduction_scale
 
 from . import plain
 
@@ -73,34 +73,6 @@ def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool
         acc.add_(torch.mm(a, b))
 
 
-class _SideStream:
-    """Runs the memory-bound row kernel of chunk ``i`` on a second CUDA stream while the
-    compute-bound logits GEMM of chunk ``i + 1`` runs on the current one; events order them.
-    Off CUDA (or for the plain-torch kernel) it runs everything in order, in place."""
-
-    def __init__(self, device: torch.device, enabled: bool) -> None:
-        self.stream = torch.cuda.Stream(device) if enabled else None
-
-    @property
-    def lag(self) -> int:
-        """How many chunks' gradient GEMMs may wait behind the next chunk's logits GEMM."""
-        return 0 if self.stream is None else 1
-
-    def launch(self, fn: Callable[[], None]) -> torch.cuda.Event | None:
-        if self.stream is None:
-            fn()
-            return None
-        self.stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.stream):
-            fn()
-            return self.stream.record_event()
-
-    @staticmethod
-    def wait(event: torch.cuda.Event | None) -> None:
-        if event is not None:
-            torch.cuda.current_stream().wait_event(event)
-
-
 def forward(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -122,13 +94,14 @@ def forward(
     dev = x.device
     plan = plan_chunks(n, v, x.element_size(), opts.chunk_size)
     kernel = row_kernel(opts.backend)
-    side = _SideStream(dev, opts.backend == "triton" and dev.type == "cuda" and len(plan.bounds) > 1)
 
     if labels is None:
         kept = torch.full((), float(n), dtype=torch.float32, device=dev)
     else:
         kept = (labels != opts.ignore_index).sum(dtype=torch.float32)
-    scale = reduction_scale(kept, opts.reduction, v).to(torch.float32).reshape(1)
+    loss_scale = reduction_scale(kept, opts.reduction, v).to(torch.float32)
+    unscale = float16_unscale(loss_scale, torch) if x.dtype == torch.float16 else None
+    scale = torch.stack([loss_scale, loss_scale if unscale is None else loss_scale / unscale])
 
     accum = getattr(torch, opts.accum_dtype) if opts.accum_dtype else weight.dtype
     row_loss = torch.empty(n, dtype=torch.float32, device=dev)
@@ -139,33 +112,26 @@ def forward(
     grad_b = _buffer(out, "grad_bias", torch.float32, (v,), dev).zero_() if needs.bias else None
     wt = weight.t()
 
-    def gradient_gemms(start: int, stop: int, g: torch.Tensor, ready: torch.cuda.Event | None) -> None:
-        side.wait(ready)
-        if grad_x is not None:
-            torch.mm(g, weight, out=grad_x[start:stop])
-        if grad_w is not None:
-            _accumulate(grad_w, g.t(), x[start:stop], first=start == 0)
-        if grad_b is not None:
-            grad_b.add_(g.sum(0, dtype=torch.float32))
-
-    # One [chunk, V] buffer per chunk in flight: the logits, then dL/dz in place.
-    buffers = [torch.empty(plan.chunk_rows if n else 0, v, dtype=x.dtype, device=dev) for _ in range(side.lag + 1)]
-    pending: list[tuple[int, int, torch.Tensor, torch.cuda.Event | None]] = []
-    for i, (start, stop) in enumerate(plan.bounds):
-        z = buffers[i % len(buffers)][: stop - start]
+    # One [chunk, V] buffer: each chunk's logits, then its dL/dz in place.
+    buf = torch.empty(plan.chunk_rows if n else 0, v, dtype=x.dtype, device=dev)
+    for start, stop in plan.bounds:
+        xc, z = x[start:stop], buf[: stop - start]
         if bias is None:
-            torch.mm(x[start:stop], wt, out=z)
+            torch.mm(xc, wt, out=z)
         else:
-            torch.addmm(bias, x[start:stop], wt, out=z)
-        ready = side.launch(
-            lambda z=z, start=start: kernel(z, target, labels, scale, row_loss, start, opts, plan.block_v, needs.any)
-        )
-        pending.append((start, stop, z, ready))
-        while len(pending) > side.lag:
-            gradient_gemms(*pending.pop(0))
-    for chunk in pending:
-        gradient_gemms(*chunk)
+            torch.addmm(bias, xc, wt, out=z)
+        kernel(z, target, labels, scale, row_loss, start, opts, plan.block_v, needs.any)
+        if grad_x is not None:
+            torch.mm(z, weight, out=grad_x[start:stop])
+        if grad_w is not None:
+            _accumulate(grad_w, z.t(), xc, first=start == 0)
+        if grad_b is not None:
+            grad_b.add_(z.sum(0, dtype=torch.float32))
 
+    if unscale is not None:  # exact: a power of two
+        for grad in (grad_x, grad_w, grad_b):
+            if grad is not None:
+                grad.mul_(unscale)
     loss = _cast_into(row_loss.sum(), out.get("loss"), torch.float32)
     if grad_w is not None:
         grad_w = _cast_into(grad_w, out.get("grad_weight"), weight.dtype)

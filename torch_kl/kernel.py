@@ -12,7 +12,9 @@ Math, per row ``i`` of the chunk (``z`` the logits, ``t`` the target, all in flo
     loss_i  = s * sum_j [p_ij * (log_p_ij - log_q_ij)]   (a term with p_ij == 0 counts 0)
     dL/dz_ij = s * (q_ij * S_i - p_ij) / T               (pass 2, written over z)
 
-``s`` is the reduction scale (read from device memory: no host sync), and rows whose label
+``s`` is the reduction scale and ``s_g`` the scale dL/dz is stored at (``s``, or ``s / c``
+for float16: see ``fused_kl.plan.float16_unscale``), both read from device memory (no host
+sync). Rows whose label
 is ``ignore_index`` get ``loss_i = 0`` and ``dL/dz_i = 0``. Offsets into the full target
 are 64-bit, since ``N * V`` can exceed 2**31. ``jax_kl/kernel.py`` is the same kernel in
 Pallas, line for line.
@@ -40,7 +42,7 @@ def _kl_rows_kernel(
     t_stride_col,  # [N, V] full target
     labels_ptr,
     labels_stride,  # [N] full labels (unused without HAS_LABELS)
-    scale_ptr,  # [1] float32 reduction scale
+    scale_ptr,  # [2] float32: the loss's reduction scale, the stored gradient's scale
     loss_ptr,  # [N] float32 row losses
     row0,
     V,
@@ -63,6 +65,7 @@ def _kl_rows_kernel(
     else:
         keep = True
     scale = tl.load(scale_ptr)
+    grad_scale = tl.load(scale_ptr + 1)
 
     # Pass 1: online log-sum-exp of the student (and teacher logits), and S = sum p.
     m = -float("inf")
@@ -91,7 +94,7 @@ def _kl_rows_kernel(
     if FORMAT == LOGITS:
         lse_t = mt + tl.log(ltsum)
         p_sum = 1.0
-    g_scale = tl.where(keep, scale * inv_t, 0.0)
+    g_scale = tl.where(keep, grad_scale * inv_t, 0.0)
 
     # Pass 2: the row's loss, and dL/dz written over the logits.
     acc = 0.0

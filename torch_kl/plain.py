@@ -39,8 +39,8 @@ def kl_rows(
     keep = (
         (labels[rows] != opts.ignore_index) if labels is not None else torch.ones_like(row_loss[rows], dtype=torch.bool)
     )
-    row_loss[rows] = torch.where(keep, term.sum(-1) * scale, 0.0)
+    row_loss[rows] = torch.where(keep, term.sum(-1) * scale[0], 0.0)
     if write_grad:
         p_sum = 1.0 if opts.target_format == "logits" else p.sum(-1, keepdim=True)
-        g = (torch.exp(log_q) * p_sum - p) * (scale / opts.temperature)
+        g = (torch.exp(log_q) * p_sum - p) * (scale[1] / opts.temperature)
         z.copy_(torch.where(keep[:, None], g, 0.0))
