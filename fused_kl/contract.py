@@ -8,6 +8,7 @@ the same message in ``torch_kl`` and ``jax_kl``, before any kernel runs.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 REDUCTIONS = ("batchmean", "sum", "mean")
@@ -50,8 +51,18 @@ class Shapes:
     v: int
 
 
+def _is_real(value: object) -> bool:
+    """A real number, NumPy scalars included; not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _is_int(value: object) -> bool:
+    """An integer, NumPy integer scalars included; not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def _positive_finite(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if not _is_real(value):
         raise TypeError(f"{name}: expected a finite number > 0, got {type(value).__name__} {value!r}")
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name}: expected a finite number > 0, got {value!r}")
@@ -86,13 +97,16 @@ def check_options(
             "for per-row values"
         )
     reduction = _one_of("reduction", reduction, REDUCTIONS)
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+    if not _is_int(ignore_index):
         raise TypeError(f"ignore_index: expected an int, got {type(ignore_index).__name__} {ignore_index!r}")
+    ignore_index = int(ignore_index)
+    if not -(2**63) <= ignore_index < 2**63:
+        raise ValueError(f"ignore_index: expected an int that fits in 64 bits, got {ignore_index!r}")
     temperature = _positive_finite("temperature", temperature)
     if teacher_temperature is None:
         teacher_temperature = temperature
     teacher_temperature = _positive_finite("teacher_temperature", teacher_temperature)
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+    if not _is_real(eps):
         raise TypeError(f"eps: expected a number in (0, 1), got {type(eps).__name__} {eps!r}")
     if not 0.0 < eps < 1.0:
         raise ValueError(f"eps: expected a number in (0, 1), got {eps!r}")
@@ -100,12 +114,13 @@ def check_options(
     if accum_dtype is not None and accum_dtype not in ACCUM_DTYPES:
         raise TypeError(f"accum_dtype: expected None or one of {', '.join(ACCUM_DTYPES)}, got {accum_dtype}")
     if chunk_size is not None:
-        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
+        if not _is_int(chunk_size):
             raise TypeError(
                 f"chunk_size: expected None or a positive int, got {type(chunk_size).__name__} {chunk_size!r}"
             )
         if chunk_size <= 0:
             raise ValueError(f"chunk_size: expected None or a positive int, got {chunk_size!r}")
+        chunk_size = int(chunk_size)
     backend = _one_of("backend", backend, backends)
     return Options(
         reduction=reduction,

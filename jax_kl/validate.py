@@ -75,4 +75,10 @@ def validate(
         None if labels is None else facts("labels", labels),
         None if bias is None else facts("bias", bias),
     )
+    if labels is not None and not jax.config.jax_enable_x64 and not -(2**31) <= opts.ignore_index < 2**31:
+        # Else the comparison with the labels overflows inside the jitted program.
+        raise ValueError(
+            "ignore_index: expected an int that fits in 32 bits (JAX's labels are int32 without "
+            f"jax_enable_x64), got {opts.ignore_index!r}"
+        )
     return shapes, dataclasses.replace(opts, backend=resolve_backend(opts.backend))

@@ -58,8 +58,16 @@ def make_inputs(
     logit_scale: float = 1.0,
     teacher_scale: float = 2.0,
     lead: tuple[int, ...] | None = None,
+    zero_frac: float = 0.0,
+    one_hot_frac: float = 0.0,
 ) -> Inputs:
-    """Random inputs; ``lead`` reshapes the rows to ``[B, T]``."""
+    """Random inputs; ``lead`` reshapes the rows to ``[B, T]``.
+
+    For ``target_format="probs"`` only: ``zero_frac`` sets about that fraction of the target's
+    entries to exactly 0 (rows renormalised; a row left with no mass stays all zero), and
+    ``one_hot_frac`` makes about that fraction of the rows exactly one-hot. Both default to 0,
+    which draws nothing more from the generator, so the other inputs do not depend on them.
+    """
     rng = np.random.default_rng(seed)
     x = _round_to(rng.standard_normal((n, h)).astype(np.float32), dtype)
     w = _round_to((rng.standard_normal((v, h)) * logit_scale / np.sqrt(h)).astype(np.float32), dtype)
@@ -75,6 +83,16 @@ def make_inputs(
         labels = rng.integers(0, v, n)
         labels[rng.random(n) < ignore_frac] = -100
     b = _round_to(rng.standard_normal(v).astype(np.float32), dtype) if bias else None
+    if (zero_frac or one_hot_frac) and target_format != "probs":
+        raise ValueError("zero_frac and one_hot_frac apply to target_format='probs' only")
+    if zero_frac:
+        t = np.where(rng.random((n, v)) < zero_frac, 0.0, t)
+        mass = t.sum(-1, keepdims=True)
+        t = np.divide(t, mass, out=np.zeros_like(t), where=mass > 0)
+    if one_hot_frac:
+        rows = rng.random(n) < one_hot_frac
+        t[rows] = 0.0
+        t[rows, rng.integers(0, v, int(rows.sum()))] = 1.0
     if lead is not None:
         x, t = x.reshape(*lead, h), t.reshape(*lead, v)
         labels = None if labels is None else labels.reshape(lead)
