@@ -25,6 +25,7 @@ class Plan:
 
 
 def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1)."""
     return 1 << max(n - 1, 0).bit_length()
 
 

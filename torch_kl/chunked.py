@@ -29,6 +29,7 @@ class Needs:
 
     @property
     def any(self) -> bool:
+        """Whether any gradient is needed, so the kernel writes dL/dz."""
         return self.x or self.weight or self.bias
 
 
