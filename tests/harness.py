@@ -60,6 +60,7 @@ def make_inputs(
     lead: tuple[int, ...] | None = None,
     zero_frac: float = 0.0,
     one_hot_frac: float = 0.0,
+    min_mass: float | None = None,
 ) -> Inputs:
     """Random inputs; ``lead`` reshapes the rows to ``[B, T]``.
 
@@ -67,6 +68,8 @@ def make_inputs(
     entries to exactly 0 (rows renormalised; a row left with no mass stays all zero), and
     ``one_hot_frac`` makes about that fraction of the rows exactly one-hot. Both default to 0,
     which draws nothing more from the generator, so the other inputs do not depend on them.
+    ``min_mass`` scales each row's probabilities (``"probs"`` / ``"log_probs"``) by a factor
+    drawn in ``[min_mass, 1]``, as a truncated (top-k) teacher's are: then ``S_i = sum_j p_ij < 1``.
     """
     rng = np.random.default_rng(seed)
     x = _round_to(rng.standard_normal((n, h)).astype(np.float32), dtype)
@@ -93,6 +96,9 @@ def make_inputs(
         rows = rng.random(n) < one_hot_frac
         t[rows] = 0.0
         t[rows, rng.integers(0, v, int(rows.sum()))] = 1.0
+    if min_mass is not None:
+        factor = rng.uniform(min_mass, 1.0, (n, 1))
+        t = t * factor if target_format == "probs" else t + np.log(factor)
     if lead is not None:
         x, t = x.reshape(*lead, h), t.reshape(*lead, v)
         labels = None if labels is None else labels.reshape(lead)

@@ -10,10 +10,16 @@ from harness import ALL_BACKENDS, assert_matches, make_inputs, run
 CASES = {
     "probs-batchmean": (dict(n=23, h=8, v=41), dict()),
     "probs-sum-T2-bias": (dict(n=17, h=5, v=67, ignore_frac=None, bias=True), dict(reduction="sum", temperature=2.0)),
+    # A truncated teacher (top-k cached probabilities): rows sum to less than 1, so S_i matters.
+    "probs-truncated": (dict(n=19, h=6, v=45, zero_frac=0.5, min_mass=0.3), dict(temperature=1.5)),
     "probs-mean-T0.5": (dict(n=19, h=8, v=53), dict(reduction="mean", temperature=0.5)),
     "log_probs-bias": (
         dict(n=13, h=6, v=37, target_format="log_probs", bias=True),
         dict(target_format="log_probs", temperature=2.0),
+    ),
+    "log_probs-truncated": (
+        dict(n=12, h=5, v=33, target_format="log_probs", min_mass=0.2),
+        dict(target_format="log_probs"),
     ),
     "log_probs-sum": (
         dict(n=11, h=4, v=29, target_format="log_probs"),
