@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Callable
 from dataclasses import dataclass
 
 REDUCTIONS = ("batchmean", "sum", "mean")
@@ -194,6 +195,29 @@ def check_arrays(
         if x.device is not None and bias.device is not None and bias.device != x.device:
             raise ValueError(f"bias: expected the device of x ({x.device}), got {bias.device}")
     return Shapes(n=n, h=h, v=v)
+
+
+def check_array_args(
+    describe: Callable[[str, object], ArrayFacts],
+    x: object,
+    weight: object,
+    target: object,
+    labels: object,
+    bias: object,
+) -> Shapes:
+    """Describe each array argument with the framework's ``describe`` (which raises
+    ``TypeError`` for a non-array) and check them together with :func:`check_arrays`."""
+
+    def optional(name: str, value: object) -> ArrayFacts | None:
+        return None if value is None else describe(name, value)
+
+    return check_arrays(
+        describe("x", x),
+        describe("weight", weight),
+        describe("target", target),
+        optional("labels", labels),
+        optional("bias", bias),
+    )
 
 
 def backend_unavailable(backend: str, why: str) -> ValueError:

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fused_kl.contract import ArrayFacts, Options, Shapes, backend_unavailable, check_arrays, check_options
+from fused_kl.contract import ArrayFacts, Options, Shapes, backend_unavailable, check_array_args, check_options
 
 BACKENDS = ("auto", "pallas", "xla", "triton")
 
@@ -68,13 +68,7 @@ def validate(
         except TypeError:
             raise TypeError(f"accum_dtype: expected None or a dtype, got {type(accum).__name__} {accum!r}") from None
     opts = check_options(**options, accum_dtype=accum, backends=BACKENDS)
-    shapes = check_arrays(
-        facts("x", x),
-        facts("weight", weight),
-        facts("target", target),
-        None if labels is None else facts("labels", labels),
-        None if bias is None else facts("bias", bias),
-    )
+    shapes = check_array_args(facts, x, weight, target, labels, bias)
     if labels is not None and not jax.config.jax_enable_x64 and not -(2**31) <= opts.ignore_index < 2**31:
         # Else the comparison with the labels overflows inside the jitted program.
         raise ValueError(

@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from fused_kl.contract import ArrayFacts, Options, Shapes, backend_unavailable, check_arrays, check_options
+from fused_kl.contract import ArrayFacts, Options, Shapes, backend_unavailable, check_array_args, check_options
 
 BACKENDS = ("auto", "triton", "torch", "jax")
 
@@ -64,12 +64,6 @@ def validate(
     if accum is not None and not isinstance(accum, torch.dtype):
         raise TypeError(f"accum_dtype: expected None or a torch.dtype, got {type(accum).__name__} {accum!r}")
     opts = check_options(**options, accum_dtype=None if accum is None else _dtype_name(accum), backends=BACKENDS)
-    shapes = check_arrays(
-        facts("x", x),
-        facts("weight", weight),
-        facts("target", target),
-        None if labels is None else facts("labels", labels),
-        None if bias is None else facts("bias", bias),
-    )
+    shapes = check_array_args(facts, x, weight, target, labels, bias)
     backend = resolve_backend(opts.backend, x.device)  # type: ignore[union-attr]
     return shapes, dataclasses.replace(opts, backend=backend)
