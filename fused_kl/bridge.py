@@ -55,9 +55,6 @@ def torch_through_pallas(x, weight, target, labels, bias, opts: Options, needs) 
     """``torch_kl``'s ``compute`` for backend ``"jax"``: the same outputs as ``chunked.forward``."""
     import torch
 
-    ignore = opts.ignore_index
-    if labels is not None and not -(2**31) <= ignore < 2**31:
-        raise ValueError(f"ignore_index: backend 'jax' compares int32 labels, got {ignore}")
     jax_opts = dataclasses.replace(opts, backend="pallas")
     args = [None if a is None else _to_jax(a) for a in (x, weight, target, labels, bias)]
     loss, grad_x, grad_w, grad_b = _jitted_jax_forward()(*args, opts=jax_opts, with_grads=needs.any)

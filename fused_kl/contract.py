@@ -220,6 +220,12 @@ def check_array_args(
     )
 
 
+def check_int32_ignore_index(ignore_index: int, why: str) -> None:
+    """Where labels are compared as int32, ``ignore_index`` must fit in 32 bits (``why`` says where)."""
+    if not -(2**31) <= ignore_index < 2**31:
+        raise ValueError(f"ignore_index: expected an int that fits in 32 bits ({why}), got {ignore_index!r}")
+
+
 def backend_unavailable(backend: str, why: str) -> ValueError:
     """The error for a known backend that cannot run here, saying why."""
     return ValueError(f"backend: {backend!r} is not available here: {why}")

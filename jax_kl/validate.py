@@ -8,7 +8,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fused_kl.contract import ArrayFacts, Options, Shapes, backend_unavailable, check_array_args, check_options
+from fused_kl.contract import (
+    ArrayFacts,
+    Options,
+    Shapes,
+    backend_unavailable,
+    check_array_args,
+    check_int32_ignore_index,
+    check_options,
+)
 
 BACKENDS = ("auto", "pallas", "xla", "triton")
 
@@ -69,10 +77,7 @@ def validate(
             raise TypeError(f"accum_dtype: expected None or a dtype, got {type(accum).__name__} {accum!r}") from None
     opts = check_options(**options, accum_dtype=accum, backends=BACKENDS)
     shapes = check_array_args(facts, x, weight, target, labels, bias)
-    if labels is not None and not jax.config.jax_enable_x64 and not -(2**31) <= opts.ignore_index < 2**31:
+    if labels is not None and not jax.config.jax_enable_x64:
         # Else the comparison with the labels overflows inside the jitted program.
-        raise ValueError(
-            "ignore_index: expected an int that fits in 32 bits (JAX's labels are int32 without "
-            f"jax_enable_x64), got {opts.ignore_index!r}"
-        )
+        check_int32_ignore_index(opts.ignore_index, "JAX's labels are int32 without jax_enable_x64")
     return shapes, dataclasses.replace(opts, backend=resolve_backend(opts.backend))

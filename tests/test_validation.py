@@ -319,6 +319,9 @@ def test_jax_ignore_index_beyond_int32_is_refused_early() -> None:
     # the jitted program. torch's int64 labels take it.
     with pytest.raises(ValueError, match=r"^ignore_index: expected an int that fits in 32 bits"):
         _call(Jax, _call_args(Jax, _option(ignore_index=2**40)))
+    # The torch -> JAX bridge hands the labels over as int32: refused at validation too.
+    with pytest.raises(ValueError, match=r"^ignore_index: expected an int that fits in 32 bits"):
+        _call(Torch, _call_args(Torch, _option(ignore_index=2**40, backend="jax")))
 
 
 @pytest.mark.parametrize("fw", FRAMEWORKS, ids=lambda fw: fw.name)

@@ -7,7 +7,15 @@ import os
 
 import torch
 
-from fused_kl.contract import ArrayFacts, Options, Shapes, backend_unavailable, check_array_args, check_options
+from fused_kl.contract import (
+    ArrayFacts,
+    Options,
+    Shapes,
+    backend_unavailable,
+    check_array_args,
+    check_int32_ignore_index,
+    check_options,
+)
 
 BACKENDS = ("auto", "triton", "torch", "jax")
 
@@ -66,4 +74,6 @@ def validate(
     opts = check_options(**options, accum_dtype=None if accum is None else _dtype_name(accum), backends=BACKENDS)
     shapes = check_array_args(facts, x, weight, target, labels, bias)
     backend = resolve_backend(opts.backend, x.device)  # type: ignore[union-attr]
+    if backend == "jax" and labels is not None:
+        check_int32_ignore_index(opts.ignore_index, "backend 'jax' hands the labels to JAX as int32")
     return shapes, dataclasses.replace(opts, backend=backend)
