@@ -57,6 +57,17 @@ def float16_unscale(scale, xp):
     return xp.exp2(xp.clip(xp.floor(xp.log2(scale)), -14.0, 0.0))
 
 
+def kernel_scales(kept, reduction: str, v: int, float16: bool, xp):
+    """The row kernel's scales ``[s, s / c]`` (the loss's, the stored dL/dz's) and ``c``.
+
+    ``s`` is :func:`reduction_scale`; ``c`` is :func:`float16_unscale` for float16 logits, else
+    1. Both stay on the device; ``xp`` is ``torch`` or ``jax.numpy``.
+    """
+    scale = reduction_scale(kept, reduction, v)
+    unscale = float16_unscale(scale, xp) if float16 else xp.ones_like(scale)
+    return xp.stack([scale, scale / unscale]), unscale
+
+
 def reduction_scale(kept, reduction: str, v: int):
     """``1/n``, ``1`` or ``1/(n*V)`` from the float32 count of kept rows; 0 when ``n == 0``.
 

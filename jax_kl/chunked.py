@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from fused_kl.contract import Options
-from fused_kl.plan import float16_unscale, plan_chunks, reduction_scale
+from fused_kl.plan import kernel_scales, plan_chunks
 
 from . import plain
 
@@ -57,9 +57,7 @@ def forward(
     kernel = row_kernel(opts.backend)
 
     kept = jnp.float32(n) if labels is None else jnp.sum(labels != opts.ignore_index, dtype=jnp.float32)
-    loss_scale = reduction_scale(kept, opts.reduction, v).astype(jnp.float32)
-    unscale = float16_unscale(loss_scale, jnp) if x.dtype == jnp.float16 else jnp.float32(1.0)
-    scale = jnp.stack([loss_scale, loss_scale / unscale])
+    scale, unscale = kernel_scales(kept, opts.reduction, v, x.dtype == jnp.float16, jnp)
 
     accum = jnp.dtype(opts.accum_dtype) if opts.accum_dtype else weight.dtype
     row_losses, grad_x_rows = [], []

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from fused_kl.contract import Options
-from fused_kl.plan import float16_unscale, plan_chunks, reduction_scale
+from fused_kl.plan import kernel_scales, plan_chunks
 
 from . import plain
 
@@ -100,9 +100,7 @@ def forward(
         kept = torch.full((), float(n), dtype=torch.float32, device=dev)
     else:
         kept = (labels != opts.ignore_index).sum(dtype=torch.float32)
-    loss_scale = reduction_scale(kept, opts.reduction, v).to(torch.float32)
-    unscale = float16_unscale(loss_scale, torch) if x.dtype == torch.float16 else None
-    scale = torch.stack([loss_scale, loss_scale if unscale is None else loss_scale / unscale])
+    scale, unscale = kernel_scales(kept, opts.reduction, v, x.dtype == torch.float16, torch)
 
     accum = getattr(torch, opts.accum_dtype) if opts.accum_dtype else weight.dtype
     row_loss = torch.empty(n, dtype=torch.float32, device=dev)
@@ -129,7 +127,7 @@ def forward(
         if grad_b is not None:
             grad_b.add_(z.sum(0, dtype=torch.float32))
 
-    if unscale is not None:  # exact: a power of two
+    if x.dtype == torch.float16:  # exact: a power of two
         for grad in (grad_x, grad_w, grad_b):
             if grad is not None:
                 grad.mul_(unscale)
