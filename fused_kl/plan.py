@@ -61,10 +61,14 @@ def kernel_scales(kept, reduction: str, v: int, float16: bool, xp):
     """The row kernel's scales ``[s, s / c]`` (the loss's, the stored dL/dz's) and ``c``.
 
     ``s`` is :func:`reduction_scale`; ``c`` is :func:`float16_unscale` for float16 logits, else
-    1. Both stay on the device; ``xp`` is ``torch`` or ``jax.numpy``.
+    ``None``: no pass over the gradients to multiply them by 1 (a traced 1 that XLA cannot
+    fold would cost a ``grad_weight``-sized pass and buffer). Both stay on the device; ``xp``
+    is ``torch`` or ``jax.numpy``.
     """
     scale = reduction_scale(kept, reduction, v)
-    unscale = float16_unscale(scale, xp) if float16 else xp.ones_like(scale)
+    if not float16:
+        return xp.stack([scale, scale]), None
+    unscale = float16_unscale(scale, xp)
     return xp.stack([scale, scale / unscale]), unscale
 
 

@@ -37,6 +37,10 @@ def _dot(a: jax.Array, b: jax.Array, contract: tuple[int, int], out_dtype) -> ja
     return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=out_dtype)
 
 
+def _add(acc: jax.Array | None, term: jax.Array) -> jax.Array:
+    return term if acc is None else acc + term
+
+
 def forward(
     x: jax.Array,
     weight: jax.Array,
@@ -61,8 +65,8 @@ def forward(
 
     accum = jnp.dtype(opts.accum_dtype) if opts.accum_dtype else weight.dtype
     row_losses, grad_x_rows = [], []
-    grad_w = jnp.zeros((v, h), accum)
-    grad_b = jnp.zeros((v,), jnp.float32)
+    # The first chunk's GEMM writes the accumulators: no [V, H] zero fill.
+    grad_w = grad_b = None
     done = scale  # what the previous chunk produced last
     for start, stop in plan.bounds:
         # Start a chunk only once the previous one is done, so XLA cannot hoist the
@@ -77,17 +81,21 @@ def forward(
         done = row_loss
         if with_grads:
             grad_x_rows.append(_dot(g, weight, (1, 0), x.dtype))
-            grad_w = grad_w + _dot(g, xc, (0, 0), accum)
-            grad_b = grad_b + jnp.sum(g, axis=0, dtype=jnp.float32)
+            grad_w = _add(grad_w, _dot(g, xc, (0, 0), accum))
+            grad_b = _add(grad_b, jnp.sum(g, axis=0, dtype=jnp.float32))
             done = (grad_x_rows[-1], grad_w, grad_b)
 
     loss = jnp.sum(jnp.concatenate(row_losses)) if row_losses else jnp.float32(0.0)
     if not with_grads:
         return loss, None, None, None
     grad_x = jnp.concatenate(grad_x_rows) if grad_x_rows else jnp.zeros_like(x)
+    if grad_w is None:  # no rows
+        grad_w, grad_b = jnp.zeros((v, h), accum), jnp.zeros((v,), jnp.float32)
 
-    def unscaled(grad: jax.Array, dtype) -> jax.Array:  # exact: a power of two
-        return (grad * unscale.astype(grad.dtype)).astype(dtype)
+    def unscaled(grad: jax.Array, dtype) -> jax.Array:
+        if unscale is not None:  # float16; exact: a power of two
+            grad = grad * unscale.astype(grad.dtype)
+        return grad.astype(dtype)
 
     return (
         loss,

@@ -272,3 +272,17 @@ def test_pallas_temporaries_stay_flat_in_n():
         temps[n] = f.lower(*spec).compile().memory_analysis().temp_size_in_bytes
     assert temps[16384] < n * v * 2 / 2, temps
     assert temps[16384] <= temps[8192] * 1.1, temps
+
+
+def test_rescale_multiplies_in_float32():
+    """The backward's in-place scale is the float32 product rounded once, bit for bit."""
+    from torch_kl.rescale import BLOCK, scale_
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        grad = torch.randn(3 * BLOCK + 5, device="cuda", generator=g).to(dtype)
+        for up in (1.0, 3.0, 0.1, -2.5, float("nan")):
+            got = grad.clone()
+            scale_(got, torch.tensor(up, device="cuda"))
+            assert torch.equal(got, (grad.float() * up).to(dtype)) or up != up, (dtype, up)
+            assert up == up or got.isnan().all()

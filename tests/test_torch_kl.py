@@ -139,3 +139,19 @@ def test_auto_backend_on_cpu_is_torch() -> None:
     from torch_kl.validate import resolve_backend
 
     assert resolve_backend("auto", torch.device("cpu")) == "torch"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("g", [1.0, 3.0, 0.1])
+def test_rescale_kernel_multiplies_in_float32(dtype: torch.dtype, g: float) -> None:
+    from torch_kl.rescale import BLOCK, scale_
+
+    grad = torch.randn(2 * BLOCK + 37, generator=torch.Generator().manual_seed(0)).to(dtype)
+    got = grad.clone()
+    assert scale_(got, torch.tensor(g)) is got
+    want = (grad.to(torch.float32) * g).to(dtype)
+    if dtype == torch.bfloat16 and g != 1.0:
+        # The interpreter truncates to bfloat16 where the GPU rounds (bitwise: test_gpu.py).
+        torch.testing.assert_close(got, want, rtol=2**-7, atol=0)
+    else:
+        assert torch.equal(got, want)

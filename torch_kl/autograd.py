@@ -13,14 +13,29 @@ from .chunked import Needs
 Compute = Callable[..., tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]]
 
 
+def _mul_(grad: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``grad *= g`` in float32, rounded once (as the Triton scale and JAX's backward do)."""
+    return grad.copy_(grad.to(torch.float32) * g)
+
+
+def _scaler(grads: tuple[torch.Tensor | None, ...], backend: str) -> Callable[..., torch.Tensor]:
+    """The Triton in-place scale that skips a unit upstream gradient on the device, where
+    Triton runs (CUDA, or the Triton backend under the interpreter); else :func:`_mul_`."""
+    if backend == "triton" or any(g is not None and g.is_cuda for g in grads):
+        from .rescale import scale_
+
+        return scale_
+    return _mul_
+
+
 class FusedLinearKLDivFunction(torch.autograd.Function):
     """``loss = KL(target || softmax((x @ weight.T + bias) / T))``, gradients from the forward pass.
 
     ``compute(x, weight, target, labels, bias, opts, needs)`` is the backend: the chunked
     torch/Triton loop, or the bridge to the Pallas kernel. Only the gradients whose inputs
-    require grad are computed. Backward multiplies them in place by the upstream gradient,
-    so no second copy of ``grad_weight`` is ever held; as a consequence a graph through this
-    function can be backpropagated once.
+    require grad are computed. Backward multiplies them in place by the upstream gradient
+    (on the GPU, a no-op when it is 1: ``rescale``), so no second copy of ``grad_weight`` is
+    ever held; as a consequence a graph through this function can be backpropagated once.
     """
 
     @staticmethod
@@ -32,6 +47,7 @@ class FusedLinearKLDivFunction(torch.autograd.Function):
         )
         loss, grad_x, grad_w, grad_b = compute(x, weight, target, labels, bias, opts, needs)
         ctx.grads = (grad_x, grad_w, grad_b)
+        ctx.backend = opts.backend
         return loss
 
     @staticmethod
@@ -41,7 +57,8 @@ class FusedLinearKLDivFunction(torch.autograd.Function):
                 "fused_linear_kl_div: backward ran twice through the same graph; its saved gradients "
                 "were scaled in place the first time (recompute the loss instead of retain_graph=True)"
             )
-        grads = tuple(None if g is None else g.mul_(grad_loss) for g in ctx.grads)
+        scale_ = _scaler(ctx.grads, ctx.backend)
+        grads = tuple(None if g is None else scale_(g, grad_loss) for g in ctx.grads)
         ctx.grads = None
         grad_x, grad_w, grad_b = grads
         return grad_x, grad_w, None, None, grad_b, None, None

@@ -42,34 +42,43 @@ def row_kernel(backend: str) -> Kernel:
     return plain.kl_rows
 
 
-_ADDMM_OUT_DTYPE: dict[str, bool] = {}
+_OUT_DTYPE: dict[tuple[str, torch.dtype], bool] = {}
 
 
-def _has_addmm_out_dtype(device: torch.device) -> bool:
-    """Whether ``torch.addmm(..., out_dtype=float32)`` runs on this device type (torch >= 2.8, CUDA)."""
-    if device.type not in _ADDMM_OUT_DTYPE:
-        a = torch.zeros(1, 1, dtype=torch.bfloat16, device=device)
+def has_out_dtype(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch.mm``/``torch.addmm`` take ``out_dtype=float32`` for ``dtype`` operands here.
+
+    (torch >= 2.8, CUDA): a float32 accumulator is then written by the GEMM itself.
+    """
+    key = (device.type, dtype)
+    if key not in _OUT_DTYPE:
+        a = torch.zeros(1, 1, dtype=dtype, device=device)
+        acc = torch.zeros(1, 1, device=device)
         try:
-            torch.addmm(torch.zeros(1, 1, device=device), a, a, out_dtype=torch.float32)
-            _ADDMM_OUT_DTYPE[device.type] = True
+            torch.mm(a, a, out_dtype=torch.float32, out=acc)
+            torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)
+            _OUT_DTYPE[key] = True
         except (TypeError, RuntimeError, NotImplementedError):
-            _ADDMM_OUT_DTYPE[device.type] = False
-    return _ADDMM_OUT_DTYPE[device.type]
+            _OUT_DTYPE[key] = False
+    return _OUT_DTYPE[key]
 
 
 def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
     """``acc (+)= a @ b`` with the product accumulated in ``acc``'s dtype.
 
-    The first product of a same-dtype accumulator overwrites it: no zero fill, no read.
-    A wider accumulator must have been zeroed.
+    The first product overwrites the accumulator (no zero fill, no read) when the GEMM can
+    write its dtype; otherwise the accumulator must have been zeroed.
     """
     if acc.dtype == a.dtype:
         if first:
             torch.mm(a, b, out=acc)
         else:
             acc.addmm_(a, b)
-    elif acc.dtype == torch.float32 and _has_addmm_out_dtype(acc.device):
-        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    elif has_out_dtype(acc.device, a.dtype):
+        if first:
+            torch.mm(a, b, out_dtype=acc.dtype, out=acc)
+        else:
+            torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
     else:
         acc.add_(torch.mm(a, b))
 
@@ -106,7 +115,7 @@ def forward(
     row_loss = torch.empty(n, dtype=torch.float32, device=dev)
     grad_x = _buffer(out, "grad_x", x.dtype, (n, h), dev) if needs.x else None
     grad_w = _buffer(out, "grad_weight", accum, (v, h), dev) if needs.weight else None
-    if grad_w is not None and (accum != x.dtype or not plan.bounds):
+    if grad_w is not None and not (plan.bounds and (accum == x.dtype or has_out_dtype(dev, x.dtype))):
         grad_w.zero_()
     grad_b = _buffer(out, "grad_bias", torch.float32, (v,), dev).zero_() if needs.bias else None
     wt = weight.t()
@@ -127,7 +136,7 @@ def forward(
         if grad_b is not None:
             grad_b.add_(z.sum(0, dtype=torch.float32))
 
-    if x.dtype == torch.float16:  # exact: a power of two
+    if unscale is not None:  # float16; exact: a power of two
         for grad in (grad_x, grad_w, grad_b):
             if grad is not None:
                 grad.mul_(unscale)
