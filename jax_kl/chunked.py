@@ -76,7 +76,7 @@ def forward(
             z = _dot(xc, weight, (1, 1), x.dtype)
         else:
             z = (_dot(xc, weight, (1, 1), jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
-        g, row_loss = kernel(z, target, labels, scale, start, opts, plan.block_v, with_grads)
+        g, row_loss = kernel(z, target, labels, scale, start, opts, plan.tile, with_grads)
         row_losses.append(row_loss)
         done = row_loss
         if with_grads:

@@ -19,11 +19,11 @@ def kl_rows(
     scale: jax.Array,
     row0: int,
     opts: Options,
-    block_v: int,
+    tile: tuple[int, int],
     write_grad: bool,
 ) -> tuple[jax.Array | None, jax.Array]:
     """Return ``(dL/dz or None, the chunk's float32 row losses)``."""
-    del block_v  # whole rows at once
+    del tile  # whole rows at once
     rows = slice(row0, row0 + z.shape[0])
     log_q = jax.nn.log_softmax(z.astype(jnp.float32) / opts.temperature, axis=-1)
     t = target[rows].astype(jnp.float32)

@@ -128,7 +128,7 @@ def forward(
             torch.mm(xc, wt, out=z)
         else:
             torch.addmm(bias, xc, wt, out=z)
-        kernel(z, target, labels, scale, row_loss, start, opts, plan.block_v, needs.any)
+        kernel(z, target, labels, scale, row_loss, start, opts, plan.tile, needs.any)
         if grad_x is not None:
             torch.mm(z, weight, out=grad_x[start:stop])
         if grad_w is not None:

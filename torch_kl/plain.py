@@ -20,11 +20,11 @@ def kl_rows(
     row_loss: torch.Tensor,
     row0: int,
     opts: Options,
-    block_v: int,
+    tile: tuple[int, int],
     write_grad: bool,
 ) -> None:
     """Write the chunk's row losses into ``row_loss`` and, if asked, ``dL/dz`` over ``z``."""
-    del block_v  # whole rows at once
+    del tile  # whole rows at once
     rows = slice(row0, row0 + z.shape[0])
     log_q = torch.log_softmax(z.float() / opts.temperature, dim=-1)
     t = target[rows].float()
