@@ -4,9 +4,12 @@ In one process on one device, for each head ``HxV`` and row count ``N``, every i
 of :mod:`fused_kl.bench_impls` runs forward + backward on the same bf16 inputs. Reported per row:
 
 * the median time, and its ratio to the GEMM floor of that shape (quote the ratio: it carries
-  over between GPUs and clock speeds far better than a lone time). torch on CUDA is timed with CUDA events
-  (``triton.testing.do_bench``); JAX, and everything on CPU, by the wall clock around a
-  synchronised call, median of ``--reps``;
+  over between GPUs and clock speeds far better than a lone time). The floor is timed right
+  before and after each of the implementation's timing rounds, and each round is divided by
+  the mean of the two: the card's clock follows its temperature (the same GEMMs took 37 ms on
+  a cool H200 and 40 ms after a minute of load), so a floor timed once, minutes earlier, would
+  flatter it. torch on CUDA is timed with CUDA events (``triton.testing.do_bench``); JAX, and
+  everything on CPU, by the wall clock around a synchronised call, median of ``--reps``;
 * the peak memory beyond the inputs: torch's allocator peak above what was allocated before
   the row, plus the temporaries and outputs of the compiled JAX programs (XLA's memory
   analysis), since each framework's allocator is blind to the other's; and the same minus
@@ -52,6 +55,8 @@ DEFAULTS = {
     "warmup_ms": 25.0,
 }
 # Tiny shapes and few repetitions: a smoke test that runs on CPU in well under two minutes.
+# Timing rounds of each implementation, each between two timings of the floor.
+ROUNDS = 2
 QUICK = {"heads": ((64, 512), (32, 256)), "n": (64, 128), "reps": 3, "rep_ms": 20.0, "warmup_ms": 5.0}
 
 HEADER = ("head", "N", "impl", "ms", "× floor", "peak GiB", "beyond grads GiB", "err grad_w", "err grad_x", "note")
@@ -169,6 +174,20 @@ def time_ms(impl: Impl, step: Callable[[], Any], cfg: Config, on_gpu: bool) -> f
     return _median_wall_ms(step, functools.partial(_sync, impl.framework), cfg.reps)
 
 
+def time_against_floor(
+    impl: Impl, step: Callable[[], Any], floor_step: Callable[[], Any], cfg: Config, on_gpu: bool
+) -> tuple[float, float]:
+    """Median milliseconds of ``step`` and its median ratio to the floor timed around it."""
+    floor = IMPLS["floor"]
+    floors = [time_ms(floor, floor_step, cfg, on_gpu)]
+    times = []
+    for _ in range(ROUNDS):
+        times.append(time_ms(impl, step, cfg, on_gpu))
+        floors.append(time_ms(floor, floor_step, cfg, on_gpu))
+    ratios = [t / ((before + after) / 2) for t, before, after in zip(times, floors, floors[1:], strict=False)]
+    return statistics.median(times), statistics.median(ratios)
+
+
 def _program_bytes(programs: tuple[Any, ...]) -> int:
     """Temporaries and outputs of compiled JAX programs, as XLA plans them."""
     stats = [p.memory_analysis() for p in programs]
@@ -180,8 +199,16 @@ def _rel_err(grad: Any, ref: torch.Tensor) -> float:
     return (torch.linalg.vector_norm(grad.float() - ref) / torch.linalg.vector_norm(ref)).item()
 
 
-def _measure(impl: Impl, inputs: Inputs, ref: tuple[torch.Tensor, ...] | None, cfg: Config, on_gpu: bool) -> dict:
-    """Warm up; one step for the peak memory and the gradients' error; then the timing."""
+def _measure(
+    impl: Impl,
+    inputs: Inputs,
+    ref: tuple[torch.Tensor, ...] | None,
+    cfg: Config,
+    on_gpu: bool,
+    floor_step: Callable[[], Any] | None,
+) -> dict:
+    """Warm up; one step for the peak memory and the gradients' error; then the timing, against
+    the floor's ``floor_step`` when there is one."""
     baseline = torch.cuda.memory_allocated() if on_gpu else 0
     prepared = impl.make(inputs)
     sync = functools.partial(_sync, impl.framework)
@@ -199,7 +226,10 @@ def _measure(impl: Impl, inputs: Inputs, ref: tuple[torch.Tensor, ...] | None, c
         peak = torch_peak + _program_bytes(prepared.programs)
         fields["peak_gib"] = peak / GIB
         fields["beyond_grads_gib"] = (peak - inputs.grad_bytes) / GIB
-    fields["ms"] = time_ms(impl, prepared.step, cfg, on_gpu)
+    if floor_step is None:
+        fields["ms"] = time_ms(impl, prepared.step, cfg, on_gpu)
+    else:
+        fields["ms"], fields["x_floor"] = time_against_floor(impl, prepared.step, floor_step, cfg, on_gpu)
     return fields
 
 
@@ -213,7 +243,14 @@ def _is_oom(error: Exception) -> bool:
     )
 
 
-def measure(name: str, inputs: Inputs, ref: tuple[torch.Tensor, ...] | None, cfg: Config, on_gpu: bool) -> dict:
+def measure(
+    name: str,
+    inputs: Inputs,
+    ref: tuple[torch.Tensor, ...] | None,
+    cfg: Config,
+    on_gpu: bool,
+    floor_step: Callable[[], Any] | None = None,
+) -> dict:
     """The measured fields of one row, or its status when it cannot run; never raises."""
     impl = IMPLS[name]
     if impl.gpu_only and not on_gpu:
@@ -222,7 +259,7 @@ def measure(name: str, inputs: Inputs, ref: tuple[torch.Tensor, ...] | None, cfg
     if estimate > MAX_ESTIMATE_BYTES:
         return {"status": f"skipped: needs ~{estimate / GIB:.0f} GiB"}
     try:
-        return _measure(impl, inputs, ref, cfg, on_gpu)
+        return _measure(impl, inputs, ref, cfg, on_gpu, floor_step)
     except Skip as e:
         return {"status": f"skipped: {e}"}
     except Exception as e:
@@ -341,9 +378,13 @@ def plot(rows: list[Row], cfg: Config, path: Path) -> None:
 # ----------------------------------------------------------------------------- driver
 
 
-def _floor_ratio(row: Row, rows: list[Row]) -> float | None:
-    floor = next((r.ms for r in rows if (r.head, r.n, r.impl) == (row.head, row.n, "floor")), None)
-    return row.ms / floor if row.ms and floor else None
+def _floor_step(inputs: Inputs, cfg: Config) -> Callable[[], Any] | None:
+    """The floor's warmed-up step, timed around every other row of this shape (if asked for)."""
+    if "floor" not in cfg.impls:
+        return None
+    prepared = IMPLS["floor"].make(inputs)
+    _sync("torch", prepared.step())
+    return prepared.step
 
 
 class _NoBar:
@@ -385,17 +426,24 @@ def run(cfg: Config, on_gpu: bool) -> list[Row]:
         for n in cfg.n:
             inputs = make_inputs(weight, n)
             ref = reference_grads(inputs) if n == cfg.n[0] else None  # only the smallest N, to save time
+            floor_step = _floor_step(inputs, cfg)
             for name in cfg.impls:
                 bar.set_description(f"{h}x{v} N={n} {name}")
-                row = Row(f"{h}x{v}", n, name, **measure(name, inputs, ref, cfg, on_gpu))
+                row = Row(
+                    f"{h}x{v}",
+                    n,
+                    name,
+                    **measure(name, inputs, ref, cfg, on_gpu, None if name == "floor" else floor_step),
+                )
                 _release()
                 rows.append(row)
-                row.x_floor = _floor_ratio(row, rows)
+                if name == "floor" and row.ms:
+                    row.x_floor = 1.0
                 bar.write(_text_line(_cells(row)), file=sys.stdout)
                 sys.stdout.flush()
                 save(rows, meta, cfg.out_dir)
                 bar.update()
-            del inputs, ref
+            del inputs, ref, floor_step
             _release()
     bar.close()
     return rows

@@ -67,3 +67,19 @@ def test_bad_arguments_exit_2(argv: list[str]) -> None:
     with pytest.raises(SystemExit) as e:
         cli.main(argv)
     assert e.value.code == 2
+
+
+def test_bench_quick_writes_table_json_and_plot(tmp_path) -> None:
+    import json
+
+    from fused_kl import bench
+
+    argv = ["--quick", "--heads", "32x256", "--n", "64", "--impls", "floor", "torch_kl", "jax_kl"]
+    assert bench.main([*argv, "--out-dir", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert [r["impl"] for r in rows] == ["floor", "torch_kl", "jax_kl"]
+    assert all(r["status"] == "ok" and r["ms"] > 0 for r in rows), rows
+    assert rows[0]["x_floor"] == 1.0 and all(r["x_floor"] > 0 for r in rows)
+    assert all(r["err_grad_weight"] < 1e-2 for r in rows[1:]), rows
+    assert "torch_kl" in (tmp_path / "results.md").read_text()
+    assert matplotlib.image.imread(tmp_path / "bench.png").shape[0] > 100
