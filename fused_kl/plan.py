@@ -85,7 +85,7 @@ def reduction_scale(kept, reduction: str, v: int):
     Written with operators only, so the same code runs on a torch tensor and a JAX array,
     on the device and without a host sync.
     """
-    if reduction == "sum":
-        return (kept > 0) * 1.0
+    if reduction == "sum":  # not (kept > 0) * 1.0: JAX types that weakly, and Pallas's lowering
+        return kept.clip(max=1.0)  # of a weakly typed kernel operand fails
     denom = kept * v if reduction == "mean" else kept
     return (kept > 0) / (denom + (kept == 0))

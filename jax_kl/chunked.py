@@ -67,25 +67,25 @@ def forward(
     row_losses, grad_x_rows = [], []
     # The first chunk's GEMM writes the accumulators: no [V, H] zero fill.
     grad_w = grad_b = None
-    last = scale  # what the previous chunk produced last
+    done = scale  # what the previous chunk produced last
     for start, stop in plan.bounds:
-        # Start a chunk only once the previous one is done, so XLA cannot hoist the logits
-        # GEMMs and keep several [chunk, V] buffers alive at once. The accumulators go through
-        # the barrier and on from its outputs, so each has one user: XLA then folds
-        # ``acc + g^T x`` into the GEMM in place, without a second [V, H] buffer and add pass.
-        xc, grad_w, grad_b, _ = lax.optimization_barrier((x[start:stop], grad_w, grad_b, last))
+        # Start a chunk only once the previous one is done, so XLA cannot hoist the
+        # logits GEMMs and keep several [chunk, V] buffers alive at once.
+        xc, _ = lax.optimization_barrier((x[start:stop], done))
         if bias is None:
             z = _dot(xc, weight, (1, 1), x.dtype)
         else:
             z = (_dot(xc, weight, (1, 1), jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
         g, row_loss = kernel(z, target, labels, scale, start, opts, plan.tile, with_grads)
         row_losses.append(row_loss)
-        last = row_loss
+        done = row_loss
         if with_grads:
             grad_x_rows.append(_dot(g, weight, (1, 0), x.dtype))
+            # XLA (0.11, H200) does not fold this add into the GEMM: each chunk after the first
+            # costs a [V, H] product buffer and an add pass (benchmarks/RESULTS.md).
             grad_w = _add(grad_w, _dot(g, xc, (0, 0), accum))
             grad_b = _add(grad_b, jnp.sum(g, axis=0, dtype=jnp.float32))
-            last = grad_x_rows[-1]
+            done = (grad_x_rows[-1], grad_w, grad_b)
 
     loss = jnp.sum(jnp.concatenate(row_losses)) if row_losses else jnp.float32(0.0)
     if not with_grads:

@@ -102,9 +102,7 @@ def _kl_rows_kernel(
         s_p = jnp.float32(1.0)
     else:
         s_p = jnp.sum(p_sum)
-    g_scale = grad_scale * inv_t
-    if has_labels:  # a constant-True select broadcast to a tile fails in Pallas's Triton lowering
-        g_scale = jnp.where(keep, g_scale, 0.0)
+    g_scale = jnp.where(keep, grad_scale * inv_t, 0.0)
 
     # Pass 2: the row's loss, and dL/dz written over the logits.
     def pass2(i, acc):

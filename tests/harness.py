@@ -177,7 +177,9 @@ def assert_matches(out: Outputs, inp: Inputs, *, upstream: float = 1.0, **option
     opts = {k: v for k, v in options.items() if k not in ("accum_dtype", "chunk_size")}
     ref = reference(inp.x, inp.weight, inp.target, inp.labels, bias=inp.bias, **opts)
     tol = TOLERANCE[inp.dtype]
-    scale = max(abs(ref.loss), 1e-6)
+    # A KL near 0 is the difference of two sums of order 1 (cross-entropy and entropy), so its
+    # rounding error is absolute: relative to a loss of 1e-3 it can exceed float32's tolerance.
+    scale = max(abs(ref.loss), 1e-2)
     assert np.isfinite(out.loss), f"loss is {out.loss}"
     assert abs(out.loss - ref.loss) / scale < tol, f"loss {out.loss} vs {ref.loss}"
     pairs = [("grad_x", out.grad_x, ref.grad_x), ("grad_weight", out.grad_weight, ref.grad_weight)]

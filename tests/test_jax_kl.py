@@ -93,3 +93,13 @@ def test_auto_backend_on_cpu_is_xla() -> None:
     from jax_kl.validate import resolve_backend
 
     assert resolve_backend("auto") == "xla"
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean", "batchmean"])
+def test_kernel_scales_are_strongly_typed_float32(reduction: str) -> None:
+    """A weakly typed scale operand breaks the Pallas kernel's GPU lowering (seen on the H200)."""
+    from fused_kl.plan import kernel_scales
+
+    for kept in (jnp.float32(3), jnp.float32(0)):
+        scales, _ = kernel_scales(kept, reduction, 5, False, jnp)
+        assert scales.dtype == jnp.float32 and not scales.weak_type

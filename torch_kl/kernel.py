@@ -105,9 +105,7 @@ def _kl_rows_kernel(
         s_p = 1.0
     else:
         s_p = tl.sum(p_sum, axis=0)
-    g_scale = grad_scale * inv_t
-    if HAS_LABELS:
-        g_scale = tl.where(keep, g_scale, 0.0)
+    g_scale = tl.where(keep, grad_scale * inv_t, 0.0)
 
     # Pass 2: the row's loss, and dL/dz written over the logits.
     acc = tl.zeros([TILE_R], tl.float32)
