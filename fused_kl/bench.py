@@ -323,7 +323,10 @@ def describe(cfg: Config, on_gpu: bool) -> dict:
         "device": torch.cuda.get_device_name() if on_gpu else "cpu",
         "versions": {p: _version(p) for p in packages},
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(cfg).items()},
-        "timing": "torch on CUDA: do_bench median (CUDA events); JAX and CPU: wall-clock median",
+        "timing": (
+            "torch on CUDA: do_bench median (CUDA events); JAX and CPU: wall-clock median; "
+            f"x floor: median over {ROUNDS} rounds of time / mean of the floor timed just before and after"
+        ),
     }
 
 
