@@ -1,5 +1,6 @@
 """Diagnostics behind benchmarks/RESULTS.md's analysis (GPU only): the row kernel alone on one
-chunk, and ``torch_kl`` at several chunk sizes, each beside the three-GEMM floor.
+chunk at several tile shapes, and ``torch_kl`` at several chunk sizes, each as a ratio to the
+three-GEMM floor timed just before and after it (the card's clock drifts with its temperature).
 
     XLA_PYTHON_CLIENT_PREALLOCATE=false python benchmarks/diagnose.py
 """
@@ -11,6 +12,7 @@ import triton
 
 import torch_kl
 from fused_kl.contract import Options
+from fused_kl.plan import plan_chunks
 from torch_kl import kernel
 
 N, H, V = 8192, 4096, 128256
@@ -32,16 +34,19 @@ def main() -> None:
         torch.mm(z, w)
         torch.mm(z.t(), x)
 
-    f0 = median_ms(floor)
-    print(f"floor (3 GEMMs, N={N}): {f0:.2f} ms")
-    rows = 2048
+    def x_floor(fn) -> tuple[float, float]:
+        before, ms, after = median_ms(floor), median_ms(fn), median_ms(floor)
+        return ms, ms / ((before + after) / 2)
+
+    print(f"floor (3 GEMMs, N={N}): {median_ms(floor):.2f} ms")
+    rows = plan_chunks(N, V, 2, None).chunk_rows
     opts = Options("batchmean", -100, 1.0, 1e-10, "probs", 1.0, None, None, "triton")
     loss = torch.empty(N, device="cuda")
     scale = torch.ones(2, device="cuda")
-    for block_v in (2048, 4096):
-        ms = median_ms(lambda b=block_v: kernel.kl_rows(z[:rows], t, None, scale, loss, 0, opts, b, True))
+    for tile in ((16, 128), (32, 128), (16, 256)):
+        ms = median_ms(lambda tl=tile: kernel.kl_rows(z[:rows], t, None, scale, loss, 0, opts, tl, True))
         moved = rows * V * 2 * 5  # z read twice, target read twice, dL/dz written once
-        print(f"row kernel, {rows} rows, BLOCK_V={block_v}: {ms:.3f} ms = {moved / ms / 1e9:.2f} TB/s")
+        print(f"row kernel, {rows} rows, tile {tile}: {ms:.3f} ms = {moved / ms / 1e9:.2f} TB/s")
     xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
     for chunk in (None, 1024, 4096, 8192):
 
@@ -49,8 +54,8 @@ def main() -> None:
             xx.grad = ww.grad = None
             torch_kl.fused_linear_kl_div(xx, ww, t, chunk_size=c).backward()
 
-        ms = median_ms(step)
-        print(f"torch_kl chunk_size={chunk}: {ms:.2f} ms = {ms / f0:.3f} x floor")
+        ms, ratio = x_floor(step)
+        print(f"torch_kl chunk_size={chunk}: {ms:.2f} ms = {ratio:.3f} x floor")
 
 
 if __name__ == "__main__":
