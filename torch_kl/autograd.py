@@ -13,19 +13,17 @@ from .chunked import Needs
 Compute = Callable[..., tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]]
 
 
-def _mul_(grad: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """``grad *= g`` in float32, rounded once (as the Triton scale and JAX's backward do)."""
-    return grad.copy_(grad.to(torch.float32) * g)
+def _scale_(grad: torch.Tensor, g: torch.Tensor, backend: str) -> torch.Tensor:
+    """``grad *= g`` in place, in float32 and rounded once (as JAX's backward does).
 
-
-def _scaler(grads: tuple[torch.Tensor | None, ...], backend: str) -> Callable[..., torch.Tensor]:
-    """The Triton in-place scale that skips a unit upstream gradient on the device, where
-    Triton runs (CUDA, or the Triton backend under the interpreter); else :func:`_mul_`."""
-    if backend == "triton" or any(g is not None and g.is_cuda for g in grads):
+    Where Triton runs (CUDA, or the Triton backend under the interpreter) a contiguous
+    gradient goes through ``rescale``, which skips a unit ``g`` on the device.
+    """
+    if grad.is_contiguous() and (backend == "triton" or grad.is_cuda):
         from .rescale import scale_
 
-        return scale_
-    return _mul_
+        return scale_(grad, g)
+    return grad.copy_(grad.to(torch.float32) * g)
 
 
 class FusedLinearKLDivFunction(torch.autograd.Function):
@@ -57,8 +55,7 @@ class FusedLinearKLDivFunction(torch.autograd.Function):
                 "fused_linear_kl_div: backward ran twice through the same graph; its saved gradients "
                 "were scaled in place the first time (recompute the loss instead of retain_graph=True)"
             )
-        scale_ = _scaler(ctx.grads, ctx.backend)
-        grads = tuple(None if g is None else scale_(g, grad_loss) for g in ctx.grads)
+        grads = tuple(None if g is None else _scale_(g, grad_loss, ctx.backend) for g in ctx.grads)
         ctx.grads = None
         grad_x, grad_w, grad_b = grads
         return grad_x, grad_w, None, None, grad_b, None, None

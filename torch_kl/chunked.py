@@ -45,7 +45,7 @@ def row_kernel(backend: str) -> Kernel:
 _OUT_DTYPE: dict[tuple[str, torch.dtype], bool] = {}
 
 
-def has_out_dtype(device: torch.device, dtype: torch.dtype) -> bool:
+def _has_out_dtype(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether ``torch.mm``/``torch.addmm`` take ``out_dtype=float32`` for ``dtype`` operands here.
 
     (torch >= 2.8, CUDA): a float32 accumulator is then written by the GEMM itself.
@@ -67,19 +67,21 @@ def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool
     """``acc (+)= a @ b`` with the product accumulated in ``acc``'s dtype.
 
     The first product overwrites the accumulator (no zero fill, no read) when the GEMM can
-    write its dtype; otherwise the accumulator must have been zeroed.
+    write its dtype; otherwise the accumulator is zeroed first.
     """
     if acc.dtype == a.dtype:
         if first:
             torch.mm(a, b, out=acc)
         else:
             acc.addmm_(a, b)
-    elif has_out_dtype(acc.device, a.dtype):
+    elif _has_out_dtype(acc.device, a.dtype):
         if first:
             torch.mm(a, b, out_dtype=acc.dtype, out=acc)
         else:
             torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
     else:
+        if first:
+            acc.zero_()
         acc.add_(torch.mm(a, b))
 
 
@@ -115,7 +117,7 @@ def forward(
     row_loss = torch.empty(n, dtype=torch.float32, device=dev)
     grad_x = _buffer(out, "grad_x", x.dtype, (n, h), dev) if needs.x else None
     grad_w = _buffer(out, "grad_weight", accum, (v, h), dev) if needs.weight else None
-    if grad_w is not None and not (plan.bounds and (accum == x.dtype or has_out_dtype(dev, x.dtype))):
+    if grad_w is not None and not plan.bounds:  # otherwise the first chunk's GEMM writes it
         grad_w.zero_()
     grad_b = _buffer(out, "grad_bias", torch.float32, (v,), dev).zero_() if needs.bias else None
     wt = weight.t()

@@ -28,9 +28,8 @@ def _scale_kernel(grad_ptr, g_ptr, numel, BLOCK: tl.constexpr):
 
 
 def scale_(grad: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """``grad *= g`` in place, skipped on the device when ``g == 1``; returns ``grad``."""
-    if not grad.is_contiguous() or g.numel() != 1:
-        return grad.copy_(grad.to(torch.float32) * g)
+    """``grad *= g`` for a contiguous ``grad`` and a one-element ``g``, skipped on the device
+    when ``g == 1``; returns ``grad``."""
     if grad.numel():
         _scale_kernel[(triton.cdiv(grad.numel(), BLOCK),)](grad, g.to(torch.float32), grad.numel(), BLOCK=BLOCK)
     return grad
