@@ -1,6 +1,12 @@
-"""Fused LM head + KL divergence loss for PyTorch (Triton kernel, chunked, gradient in forward)."""
+"""Fused LM head + distillation loss for PyTorch: Triton kernels, chunked, gradient in the forward pass."""
 
-from .api import fused_linear_kl_div
-from .module import FusedLinearKLDivLoss
+from .api import fused_linear_cross_entropy, fused_linear_kl_div
+from .module import FusedLinearCrossEntropyLoss, FusedLinearJSDLoss, FusedLinearKLDivLoss
 
-__all__ = ["FusedLinearKLDivLoss", "fused_linear_kl_div"]
+__all__ = [
+    "FusedLinearCrossEntropyLoss",
+    "FusedLinearJSDLoss",
+    "FusedLinearKLDivLoss",
+    "fused_linear_cross_entropy",
+    "fused_linear_kl_div",
+]

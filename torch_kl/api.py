@@ -1,20 +1,18 @@
-"""``torch_kl.fused_linear_kl_div``: validate, pick the backend, run under autograd."""
+"""``torch_kl.fused_linear_kl_div`` and ``fused_linear_cross_entropy``: validate, pick the
+backend, run under autograd."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from . import chunked
-from .autograd import FusedLinearKLDivFunction
+from .autograd import FusedLinearLossFunction
+from .backends import compute_of
+from .driver import Needs
+from .layout import Layout
+from .teachers import TeacherArrays
 from .validate import validate
-
-
-def _compute(backend: str):
-    if backend == "jax":
-        from fused_kl import bridge
-
-        return bridge.torch_through_pallas
-    return chunked.forward
 
 
 def _autocast(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
@@ -24,6 +22,29 @@ def _autocast(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
         return x, weight, bias
     dtype = torch.get_autocast_dtype(kind)
     return x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
+
+
+def _run(arrays: dict[str, Any], layout: Layout, with_teacher: bool, options: dict[str, Any]) -> torch.Tensor:
+    shapes, loss, run = validate(arrays, layout, with_teacher=with_teacher, **options)
+    x, weight, bias = _autocast(arrays["x"], arrays["weight"], arrays["bias"])
+    n = shapes.n
+    x2 = x.reshape(n, shapes.h)
+    target = arrays.get("target")
+    target2 = None if target is None else target.detach().reshape(n, shapes.t)
+    idx = arrays.get("target_indices")
+    idx2 = None if idx is None else idx.reshape(n, shapes.t)
+    labels = arrays.get("labels")
+    labels1 = None if labels is None else labels.reshape(n)
+    tw, tb = arrays.get("teacher_weight"), arrays.get("teacher_bias")
+    tw, tb = (None if a is None else a.detach() for a in (tw, tb))
+    compute = compute_of(run.backend)
+    with torch.autocast(x.device.type, enabled=False):
+        grad_wanted = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
+        if not grad_wanted:
+            teacher = TeacherArrays(target2, tw, tb, idx2)
+            return compute(x2, weight, bias, teacher, labels1, loss, run, layout, Needs())[0]
+        return FusedLinearLossFunction.apply(x2, weight, bias, target2, tw, tb, idx2, labels1, loss, run, layout,
+                                             compute)
 
 
 def fused_linear_kl_div(
@@ -42,51 +63,75 @@ def fused_linear_kl_div(
     accum_dtype: torch.dtype | None = None,
     chunk_size: int | None = None,
     backend: str = "auto",
+    beta: float = 0.0,
+    weight_hard_loss: float = 0.0,
+    weight_soft_loss: float = 1.0,
+    label_smoothing: float = 0.0,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    teacher_weight: torch.Tensor | None = None,
+    teacher_bias: torch.Tensor | None = None,
+    target_indices: torch.Tensor | None = None,
+    topk_tail: str = "bin",
+    teacher_logit_scale: float = 1.0,
+    teacher_softcap: float | None = None,
+    batch_group: Any = None,
+    vocab_group: Any = None,
 ) -> torch.Tensor:
-    """``KL(p || softmax((x @ weight.T + bias) / temperature))`` without materialising the logits.
+    """The distillation loss of the student head ``x @ weight.T (+ bias)`` against a teacher,
+    without materialising the ``[N, V]`` logits (docs/contract.md has the full contract).
 
     Args:
         x: hidden states ``[N, H]`` or ``[B, T, H]`` (float32, bfloat16 or float16).
-        weight: the LM head ``[V, H]``, same dtype and device as ``x``.
-        target: the teacher ``[N, V]`` or ``[B, T, V]``, read as ``target_format`` says:
-            ``"probs"``, ``"log_probs"`` or ``"logits"`` (softmax over ``teacher_temperature``).
-        labels: optional integer ``[N]`` / ``[B, T]``; rows equal to ``ignore_index`` are ignored.
-        bias: optional head bias ``[V]``.
-        reduction: ``"batchmean"`` (sum / kept rows), ``"sum"``, or ``"mean"`` (sum / (kept rows * V)).
-        temperature: the student's softmax temperature.
-        eps: floor of the teacher's probabilities inside the log (``"probs"`` only).
-        accum_dtype: dtype in which ``grad_weight`` is accumulated across chunks
-            (None = ``weight.dtype``; ``torch.float32`` for precision).
-        chunk_size: rows per chunk (None = a heuristic near the GEMM floor; smaller saves memory).
-        backend: ``"auto"``, ``"triton"``, ``"torch"`` or ``"jax"`` (the Pallas kernel via DLPack).
+        weight: the LM head ``[V, H]`` (a ``V / G`` slice with ``vocab_group``), dtype and device of ``x``.
+        target: the teacher, read as ``target_format`` says: ``"probs"``, ``"log_probs"``, ``"logits"``
+            (``[N, V]``), ``"hidden"`` (its hidden states ``[N, Ht]``, with ``teacher_weight``) or
+            ``"topk_log_probs"`` (``[N, k]``, with ``target_indices`` and ``topk_tail``).
+        labels: optional integer ``[N]``: rows equal to ``ignore_index`` are ignored; the class
+            indices of the hard term when ``weight_hard_loss > 0``.
+        beta: 0 forward KL, 1 reverse KL, in between the generalized JSD.
+        weight_soft_loss, weight_hard_loss, label_smoothing: ``w_soft * soft + w_hard * CE(labels)``.
+        logit_scale, softcap: the student's logit transform (Cohere, Gemma-2/3); ``teacher_*`` the teacher's.
+        reduction, temperature, eps, teacher_temperature: see docs/contract.md.
+        accum_dtype, chunk_size, backend: how it runs (never what it computes).
+        batch_group, vocab_group: ``torch.distributed`` groups for rows or vocabulary sharded.
 
     Returns:
-        The float32 scalar loss. Gradients for ``x``, ``weight`` and ``bias`` are computed in
-        this call (only those that are needed) and scaled by the upstream gradient in backward.
+        The float32 scalar loss (with ``batch_group``: this rank's share). Gradients for ``x``,
+        ``weight`` and ``bias`` are computed in this call and scaled by the upstream gradient.
     """
-    shapes, opts = validate(
-        x,
-        weight,
-        target,
-        labels,
-        bias,
-        reduction=reduction,
-        ignore_index=ignore_index,
-        temperature=temperature,
-        eps=eps,
-        target_format=target_format,
-        teacher_temperature=teacher_temperature,
-        accum_dtype=accum_dtype,
-        chunk_size=chunk_size,
-        backend=backend,
-    )
-    x, weight, bias = _autocast(x, weight, bias)
-    x2 = x.reshape(shapes.n, shapes.h)
-    target2 = target.reshape(shapes.n, shapes.v)
-    labels1 = None if labels is None else labels.reshape(shapes.n)
-    compute = _compute(opts.backend)
-    with torch.autocast(x.device.type, enabled=False):
-        grad_wanted = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
-        if not grad_wanted:
-            return compute(x2, weight, target2, labels1, bias, opts, chunked.Needs())[0]
-        return FusedLinearKLDivFunction.apply(x2, weight, target2.detach(), labels1, bias, opts, compute)
+    arrays = dict(x=x, weight=weight, target=target, labels=labels, bias=bias, teacher_weight=teacher_weight,
+                  teacher_bias=teacher_bias, target_indices=target_indices)
+    options = dict(reduction=reduction, ignore_index=ignore_index, temperature=temperature, eps=eps,
+                   target_format=target_format, teacher_temperature=teacher_temperature, accum_dtype=accum_dtype,
+                   chunk_size=chunk_size, backend=backend, beta=beta, weight_hard_loss=weight_hard_loss,
+                   weight_soft_loss=weight_soft_loss, label_smoothing=label_smoothing, logit_scale=logit_scale,
+                   softcap=softcap, topk_tail=topk_tail, teacher_logit_scale=teacher_logit_scale,
+                   teacher_softcap=teacher_softcap)
+    return _run(arrays, Layout(batch_group, vocab_group), True, options)
+
+
+def fused_linear_cross_entropy(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    reduction: str = "mean",
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    accum_dtype: torch.dtype | None = None,
+    chunk_size: int | None = None,
+    backend: str = "auto",
+    batch_group: Any = None,
+    vocab_group: Any = None,
+) -> torch.Tensor:
+    """``torch.nn.functional.cross_entropy`` of the head's logits, fused the same way: no teacher,
+    ``"mean"`` divides by the kept rows as torch does."""
+    arrays = dict(x=x, weight=weight, labels=labels, bias=bias)
+    options = dict(reduction="batchmean" if reduction == "mean" else reduction, ignore_index=ignore_index,
+                   label_smoothing=label_smoothing, logit_scale=logit_scale, softcap=softcap, accum_dtype=accum_dtype,
+                   chunk_size=chunk_size, backend=backend, weight_hard_loss=1.0, weight_soft_loss=0.0)
+    return _run(arrays, Layout(batch_group, vocab_group), False, options)

@@ -1,4 +1,4 @@
-"""Stage 5 in PyTorch: the autograd glue. Forward computes the gradients; backward scales them."""
+"""The autograd glue: forward computes the loss and its gradients; backward scales them."""
 
 from __future__ import annotations
 
@@ -6,11 +6,12 @@ from collections.abc import Callable
 
 import torch
 
-from fused_kl.contract import Options
+from fused_kl.loss import Loss
+from fused_kl.options import RunOptions
 
-from .chunked import Needs
-
-Compute = Callable[..., tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]]
+from .driver import Needs
+from .layout import Layout
+from .teachers import TeacherArrays
 
 
 def _scale_(grad: torch.Tensor, g: torch.Tensor, backend: str) -> torch.Tensor:
@@ -20,42 +21,40 @@ def _scale_(grad: torch.Tensor, g: torch.Tensor, backend: str) -> torch.Tensor:
     gradient goes through ``rescale``, which skips a unit ``g`` on the device.
     """
     if grad.is_contiguous() and (backend == "triton" or grad.is_cuda):
-        from .rescale import scale_
+        from .backends.rescale import scale_
 
         return scale_(grad, g)
     return grad.copy_(grad.to(torch.float32) * g)
 
 
-class FusedLinearKLDivFunction(torch.autograd.Function):
-    """``loss = KL(target || softmax((x @ weight.T + bias) / T))``, gradients from the forward pass.
+class FusedLinearLossFunction(torch.autograd.Function):
+    """The fused loss of ``x @ weight.T (+ bias)``, its gradients made in the forward pass.
 
-    ``compute(x, weight, target, labels, bias, opts, needs)`` is the backend: the chunked
-    torch/Triton loop, or the bridge to the Pallas kernel. Only the gradients whose inputs
-    require grad are computed. Backward multiplies them in place by the upstream gradient
-    (on the GPU, a no-op when it is 1: ``rescale``), so no second copy of ``grad_weight`` is
-    ever held; as a consequence a graph through this function can be backpropagated once.
+    ``compute`` is the backend (the chunk driver, or the bridge to the Pallas kernels). Only
+    the gradients whose inputs require grad are computed; the teacher's arrays get none.
+    Backward multiplies them in place by the upstream gradient (on the GPU, a no-op when it
+    is 1), so no second copy of ``grad_weight`` is ever held; as a consequence a graph through
+    this function can be backpropagated once.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, target, labels, bias, opts: Options, compute: Compute):  # type: ignore[override]
-        needs = Needs(
-            x=ctx.needs_input_grad[0],
-            weight=ctx.needs_input_grad[1],
-            bias=bias is not None and ctx.needs_input_grad[4],
-        )
-        loss, grad_x, grad_w, grad_b = compute(x, weight, target, labels, bias, opts, needs)
+    def forward(ctx, x, weight, bias, target, teacher_weight, teacher_bias, target_indices, labels,  # type: ignore[override]
+                loss: Loss, run: RunOptions, layout: Layout, compute: Callable):
+        needs = Needs(x=ctx.needs_input_grad[0], weight=ctx.needs_input_grad[1],
+                      bias=bias is not None and ctx.needs_input_grad[2])
+        teacher = TeacherArrays(target, teacher_weight, teacher_bias, target_indices)
+        value, grad_x, grad_w, grad_b = compute(x, weight, bias, teacher, labels, loss, run, layout, needs)
         ctx.grads = (grad_x, grad_w, grad_b)
-        ctx.backend = opts.backend
-        return loss
+        ctx.backend = run.backend
+        return value
 
     @staticmethod
     def backward(ctx, grad_loss):  # type: ignore[override]
         if ctx.grads is None:
             raise RuntimeError(
-                "fused_linear_kl_div: backward ran twice through the same graph; its saved gradients "
+                "fused linear loss: backward ran twice through the same graph; its saved gradients "
                 "were scaled in place the first time (recompute the loss instead of retain_graph=True)"
             )
-        grads = tuple(None if g is None else _scale_(g, grad_loss, ctx.backend) for g in ctx.grads)
+        grad_x, grad_w, grad_b = (None if g is None else _scale_(g, grad_loss, ctx.backend) for g in ctx.grads)
         ctx.grads = None
-        grad_x, grad_w, grad_b = grads
-        return grad_x, grad_w, None, None, grad_b, None, None
+        return grad_x, grad_w, grad_b, *([None] * 9)

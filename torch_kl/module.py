@@ -1,18 +1,19 @@
-"""``torch_kl.FusedLinearKLDivLoss``: the ``nn.Module`` form, a drop-in for Liger's."""
+"""The ``nn.Module`` forms: drop-ins for Liger's ``LigerFusedLinearKLDivLoss`` and
+``LigerFusedLinearJSDLoss``, and a fused linear cross-entropy."""
 
 from __future__ import annotations
 
 import torch
 
-from .api import fused_linear_kl_div
+from .api import fused_linear_cross_entropy, fused_linear_kl_div
 
 
 class FusedLinearKLDivLoss(torch.nn.Module):
-    """Fused LM head + ``KL(teacher || student)`` loss; see :func:`torch_kl.fused_linear_kl_div`.
+    """Fused LM head + distillation loss; see :func:`torch_kl.fused_linear_kl_div`.
 
     The constructor's first five parameters and ``forward(x, weight, target, labels=None,
     bias=None)`` have the positional order of Liger's ``LigerFusedLinearKLDivLoss``, so it is
-    a drop-in replacement; the rest are keyword-only.
+    a drop-in replacement; every other keyword of the function is accepted, keyword-only.
     """
 
     def __init__(
@@ -22,24 +23,11 @@ class FusedLinearKLDivLoss(torch.nn.Module):
         temperature: float = 1.0,
         eps: float = 1e-10,
         accum_dtype: torch.dtype | None = None,
-        *,
-        target_format: str = "probs",
-        teacher_temperature: float | None = None,
-        chunk_size: int | None = None,
-        backend: str = "auto",
+        **options: object,
     ) -> None:
         super().__init__()
-        self.options = dict(
-            reduction=reduction,
-            ignore_index=ignore_index,
-            temperature=temperature,
-            eps=eps,
-            accum_dtype=accum_dtype,
-            target_format=target_format,
-            teacher_temperature=teacher_temperature,
-            chunk_size=chunk_size,
-            backend=backend,
-        )
+        self.options = dict(reduction=reduction, ignore_index=ignore_index, temperature=temperature, eps=eps,
+                            accum_dtype=accum_dtype, **options)
 
     def forward(
         self,
@@ -50,7 +38,72 @@ class FusedLinearKLDivLoss(torch.nn.Module):
         bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The loss of ``x @ weight.T (+ bias)`` against ``target``; rows labelled ``ignore_index`` skipped."""
-        return fused_linear_kl_div(x, weight, target, labels, bias=bias, **self.options)
+        return fused_linear_kl_div(x, weight, target, labels, bias=bias, **self.options)  # type: ignore[arg-type]
 
     def extra_repr(self) -> str:
         return ", ".join(f"{k}={v!r}" for k, v in self.options.items())
+
+
+class FusedLinearJSDLoss(torch.nn.Module):
+    """Drop-in for Liger's ``LigerFusedLinearJSDLoss`` (TRL's GKD trainer): the teacher's hidden
+    states and head, ``beta`` generalized JSD plus a hard cross-entropy term, ``"batchmean"``.
+
+    ``compiled`` is accepted and ignored (nothing here needs ``torch.compile``); ``chunk_size``
+    is honoured; ``return_soft_hard_loss=True`` returns ``(loss, soft, hard)``, each unweighted
+    part reduced over the kept rows.
+    """
+
+    def __init__(
+        self,
+        weight_hard_loss: float = 0.5,
+        weight_soft_loss: float = 0.5,
+        beta: float = 0.5,
+        ignore_index: int = -100,
+        temperature: float = 1.0,
+        compiled: bool = True,
+        chunk_size: int = 1024,
+        return_soft_hard_loss: bool = False,
+        **options: object,
+    ) -> None:
+        super().__init__()
+        del compiled
+        self.weights = (weight_soft_loss, weight_hard_loss)
+        self.return_soft_hard_loss = return_soft_hard_loss
+        self.options = dict(beta=beta, ignore_index=ignore_index, temperature=temperature, chunk_size=chunk_size,
+                            target_format="hidden", reduction="batchmean", **options)
+
+    def forward(
+        self,
+        student_input: torch.Tensor,
+        student_weight: torch.Tensor,
+        teacher_input: torch.Tensor,
+        teacher_weight: torch.Tensor,
+        true_labels: torch.Tensor,
+        student_bias: torch.Tensor | None = None,
+        teacher_bias: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        def part(soft: float, hard: float) -> torch.Tensor:
+            return fused_linear_kl_div(
+                student_input, student_weight, teacher_input, true_labels, bias=student_bias,
+                teacher_weight=teacher_weight, teacher_bias=teacher_bias, weight_soft_loss=soft,
+                weight_hard_loss=hard, **self.options,  # type: ignore[arg-type]
+            )  # fmt: skip
+
+        soft_w, hard_w = self.weights
+        if not self.return_soft_hard_loss:
+            return part(soft_w, hard_w)
+        soft, hard = part(1.0, 0.0), part(0.0, 1.0)
+        return soft_w * soft + hard_w * hard, soft, hard
+
+
+class FusedLinearCrossEntropyLoss(torch.nn.Module):
+    """Fused LM head + cross-entropy; see :func:`torch_kl.fused_linear_cross_entropy`.
+    ``forward(x, weight, labels, bias=None)``."""
+
+    def __init__(self, **options: object) -> None:
+        super().__init__()
+        self.options = options
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+        return fused_linear_cross_entropy(x, weight, labels, bias=bias, **self.options)  # type: ignore[arg-type]

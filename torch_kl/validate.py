@@ -1,23 +1,25 @@
-"""Stage 1: check every argument against SPEC.md before any kernel runs."""
+"""Check every argument against docs/contract.md before any kernel runs."""
 
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 
-from fused_kl.contract import (
+from fused_kl.checks import (
     ArrayFacts,
-    Options,
     Shapes,
-    backend_unavailable,
     check_array_args,
+    check_index_values,
     check_int32_ignore_index,
+    check_label_values,
     check_options,
 )
+from fused_kl.loss import Loss
+from fused_kl.options import RunOptions
 
-BACKENDS = ("auto", "triton", "torch", "jax")
+from . import backends
+from .layout import Layout
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -39,41 +41,47 @@ def facts(name: str, value: object) -> ArrayFacts:
     return ArrayFacts(tuple(value.shape), _dtype_name(value.dtype), _kind(value.dtype), str(value.device))
 
 
-def triton_unavailable_reason(device: torch.device) -> str | None:
-    """Why the Triton kernel cannot run on ``device``, or None if it can."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return "Triton is not installed (pip install triton)"
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        return f"the Triton kernel needs CUDA tensors, got {device.type} (or set TRITON_INTERPRET=1 to interpret it)"
-    return None
+def _concrete() -> bool:
+    """Values can be read on the host (eager mode, not while ``torch.compile`` traces)."""
+    return not torch.compiler.is_compiling()
 
 
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """Turn ``"auto"`` into a concrete backend and check that the chosen one can run here."""
-    if backend == "auto":
-        return "triton" if device.type == "cuda" and triton_unavailable_reason(device) is None else "torch"
-    if backend == "triton" and (why := triton_unavailable_reason(device)) is not None:
-        raise backend_unavailable(backend, why)
-    if backend == "jax":
-        try:
-            import jax  # noqa: F401
-        except ImportError:
-            raise backend_unavailable(backend, "JAX is not installed (pip install 'fused-kl[jax]')") from None
-    return backend
+def check_values(loss: Loss, labels: torch.Tensor | None, indices: torch.Tensor | None, v_total: int) -> None:
+    """Value checks of labels (hard term) and top-k indices, in eager mode only: under
+    ``torch.compile`` a bad row's loss is NaN instead (reading values would break the graph)."""
+    if not _concrete():
+        return
+    if loss.hard and labels is not None and labels.numel():
+        kept = labels[labels != loss.ignore_index]
+        if kept.numel():
+            check_label_values(int(kept.min()), int(kept.max()), v_total)
+    if indices is not None and indices.numel():
+        ordered = indices.reshape(-1, indices.shape[-1]).sort(-1).values
+        duplicated = bool((ordered[:, 1:] == ordered[:, :-1]).any()) if ordered.shape[-1] > 1 else False
+        check_index_values(int(ordered.min()), int(ordered.max()), duplicated, v_total)
 
 
 def validate(
-    x: object, weight: object, target: object, labels: object, bias: object, **options: object
-) -> tuple[Shapes, Options]:
-    """Check every argument; return the problem's sizes and the options, backend resolved."""
-    accum = options.pop("accum_dtype")
-    if accum is not None and not isinstance(accum, torch.dtype):
-        raise TypeError(f"accum_dtype: expected None or a torch.dtype, got {type(accum).__name__} {accum!r}")
-    opts = check_options(**options, accum_dtype=None if accum is None else _dtype_name(accum), backends=BACKENDS)
-    shapes = check_array_args(facts, x, weight, target, labels, bias)
-    backend = resolve_backend(opts.backend, x.device)  # type: ignore[union-attr]
-    if backend == "jax" and labels is not None:
-        check_int32_ignore_index(opts.ignore_index, "backend 'jax' hands the labels to JAX as int32")
-    return shapes, dataclasses.replace(opts, backend=backend)
+    arrays: dict[str, object], layout: Layout, *, accum_dtype: object, with_teacher: bool = True, **options: object
+) -> tuple[Shapes, Loss, RunOptions]:
+    """Check every argument; return the problem's sizes, the loss and the run options."""
+    if accum_dtype is not None and not isinstance(accum_dtype, torch.dtype):
+        raise TypeError(f"accum_dtype: expected None or a torch.dtype, got {type(accum_dtype).__name__} {accum_dtype!r}")
+    backend = options.pop("backend")
+    loss, run = check_options(**options, accum_dtype=None if accum_dtype is None else _dtype_name(accum_dtype),
+                              with_teacher=with_teacher)
+    x = arrays["x"]
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
+    chosen = backends.resolve(backend, x.device)
+    shards = layout.vocab_shards
+    weight = arrays.get("weight")
+    v_total = weight.shape[0] * shards if isinstance(weight, torch.Tensor) and weight.ndim == 2 else None
+    shapes = check_array_args(facts, loss, v_total, **arrays)
+    if chosen.single_device and (layout.batch_group is not None or layout.vocab_group is not None):
+        raise ValueError(f"backend: {backend!r} runs on one device; batch_group and vocab_group need "
+                         "'triton' or 'torch'")
+    if chosen.name == "pallas" and arrays.get("labels") is not None:
+        check_int32_ignore_index(loss.ignore_index, "backend 'pallas' hands the labels to JAX as int32")
+    check_values(loss, arrays.get("labels"), arrays.get("target_indices"), shapes.v * shards)  # type: ignore[arg-type]
+    return shapes, loss, dataclasses.replace(run, backend=chosen.name)

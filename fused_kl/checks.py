@@ -1,0 +1,313 @@
+"""The argument contract (docs/contract.md), checked once for both frameworks.
+
+Each framework's ``validate`` module reduces its arrays to :class:`ArrayFacts` and calls
+:func:`check_options` and :func:`check_arrays`, so a bad input raises the same error with the
+same message in ``torch_kl`` and ``jax_kl``, before any kernel runs.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .loss import REDUCTIONS, TARGET_FORMATS, TOPK_TAILS, Loss, Teacher
+from .options import ACCUM_DTYPES, RunOptions
+
+FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class ArrayFacts:
+    """What the checks need to know of one array, whatever its framework."""
+
+    shape: tuple[int, ...]
+    dtype: str  # "float32", "bfloat16", "int64", ...
+    kind: str  # "float", "int", "bool", "complex"
+    device: str | None  # None when unknown (a JAX tracer)
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """The problem's sizes after flattening ``[B, T, ...]`` to ``[N, ...]``; ``t`` is the
+    teacher's last dimension (``V``, its hidden size, or ``k``)."""
+
+    n: int
+    h: int
+    v: int
+    t: int
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _number(name: str, value: object, ok: Callable[[float], bool], expected: str) -> float:
+    if not _is_real(value):
+        raise TypeError(f"{name}: expected {expected}, got {type(value).__name__} {value!r}")
+    if not math.isfinite(value) or not ok(value):
+        raise ValueError(f"{name}: expected {expected}, got {value!r}")
+    return float(value)
+
+
+def _positive(name: str, value: object) -> float:
+    return _number(name, value, lambda v: v > 0, "a finite number > 0")
+
+
+def _optional_positive(name: str, value: object) -> float | None:
+    return None if value is None else _number(name, value, lambda v: v > 0, "None or a finite number > 0")
+
+
+def _one_of(name: str, value: object, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        choices = ", ".join(repr(a) for a in allowed)
+        raise ValueError(f"{name}: expected one of {choices}, got {value!r}")
+    return value  # type: ignore[return-value]
+
+
+def check_options(
+    *,
+    reduction: object = "batchmean",
+    ignore_index: object = -100,
+    temperature: object = 1.0,
+    eps: object = 1e-10,
+    target_format: object = "probs",
+    teacher_temperature: object = None,
+    beta: object = 0.0,
+    weight_hard_loss: object = 0.0,
+    weight_soft_loss: object = 1.0,
+    label_smoothing: object = 0.0,
+    logit_scale: object = 1.0,
+    softcap: object = None,
+    topk_tail: object = "bin",
+    teacher_logit_scale: object = 1.0,
+    teacher_softcap: object = None,
+    accum_dtype: str | None = None,
+    chunk_size: object = None,
+    backend: str = "auto",
+    with_teacher: bool = True,
+) -> tuple[Loss, RunOptions]:
+    """Validate every keyword argument; ``accum_dtype`` arrives as a dtype name or None and
+    ``backend`` already resolved by the framework's registry. ``with_teacher=False`` is the
+    fused cross-entropy: no soft term."""
+    if reduction == "none":
+        raise ValueError(
+            "reduction: 'none' is not supported: the gradient is computed in the forward pass, "
+            "which needs a scalar loss; use 'sum' and divide as you like, or the unfused loss "
+            "for per-row values"
+        )
+    reduction = _one_of("reduction", reduction, REDUCTIONS)
+    if not _is_int(ignore_index):
+        raise TypeError(f"ignore_index: expected an int, got {type(ignore_index).__name__} {ignore_index!r}")
+    if not -(2**63) <= ignore_index < 2**63:
+        raise ValueError(f"ignore_index: expected an int that fits in 64 bits, got {ignore_index!r}")
+    temperature = _positive("temperature", temperature)
+    eps = _number("eps", eps, lambda v: 0 < v < 1, "a number in (0, 1)")
+    beta = _number("beta", beta, lambda v: 0 <= v <= 1, "a finite number in [0, 1]")
+    weights = [_number(n, w, lambda v: v >= 0, "a finite number >= 0") for n, w in
+               (("weight_soft_loss", weight_soft_loss), ("weight_hard_loss", weight_hard_loss))]
+    label_smoothing = _number("label_smoothing", label_smoothing, lambda v: 0 <= v < 1, "a number in [0, 1)")
+    target_format = _one_of("target_format", target_format, TARGET_FORMATS)
+    topk_tail = _one_of("topk_tail", topk_tail, TOPK_TAILS)
+    if target_format == "topk_log_probs":
+        if beta != 0.0:
+            raise ValueError(f"beta: top-k targets support beta = 0 (forward KL) only, got {beta!r}")
+        if teacher_temperature is not None:
+            raise ValueError(
+                "teacher_temperature: not used with target_format='topk_log_probs' (the log-probabilities "
+                f"are taken as given), got {teacher_temperature!r}"
+            )
+    teacher_t = temperature if teacher_temperature is None else _positive("teacher_temperature", teacher_temperature)
+    teacher = Teacher(
+        format=target_format,
+        temperature=teacher_t,
+        logit_scale=_positive("teacher_logit_scale", teacher_logit_scale),
+        softcap=_optional_positive("teacher_softcap", teacher_softcap),
+        topk_tail=topk_tail,
+        eps=eps,
+    )
+    if accum_dtype is not None and accum_dtype not in ACCUM_DTYPES:
+        raise TypeError(f"accum_dtype: expected None or one of {', '.join(ACCUM_DTYPES)}, got {accum_dtype}")
+    if chunk_size is not None:
+        if not _is_int(chunk_size):
+            raise TypeError(
+                f"chunk_size: expected None or a positive int, got {type(chunk_size).__name__} {chunk_size!r}"
+            )
+        if chunk_size <= 0:
+            raise ValueError(f"chunk_size: expected None or a positive int, got {chunk_size!r}")
+    loss = Loss(
+        reduction=reduction,
+        ignore_index=int(ignore_index),
+        temperature=temperature,
+        beta=beta,
+        weight_soft=weights[0] if with_teacher else 0.0,
+        weight_hard=weights[1],
+        label_smoothing=label_smoothing,
+        logit_scale=_positive("logit_scale", logit_scale),
+        softcap=_optional_positive("softcap", softcap),
+        teacher=teacher if with_teacher else None,
+    )
+    run = RunOptions(accum_dtype=accum_dtype, chunk_size=None if chunk_size is None else int(chunk_size),
+                     backend=backend)
+    return loss, run
+
+
+def _shape(facts: ArrayFacts) -> str:
+    return "[" + ", ".join(str(d) for d in facts.shape) + "]"
+
+
+def _dims(dims: tuple[int, ...]) -> str:
+    return "[" + ", ".join(str(d) for d in dims) + "]"
+
+
+def _same_device(name: str, facts: ArrayFacts, ref: ArrayFacts, ref_name: str = "x") -> None:
+    if ref.device is not None and facts.device is not None and facts.device != ref.device:
+        raise ValueError(f"{name}: expected the device of {ref_name} ({ref.device}), got {facts.device}")
+
+
+def _float_array(name: str, facts: ArrayFacts, dtype: str | None = None, what: str = "") -> None:
+    if facts.kind != "float" or (dtype is not None and facts.dtype != dtype):
+        want = f"the dtype of {what} ({dtype})" if dtype else "a floating-point array"
+        raise TypeError(f"{name}: expected {want}, got {facts.dtype}")
+
+
+def _int_array(name: str, facts: ArrayFacts, lead: tuple[int, ...], what: str) -> None:
+    if facts.kind != "int":
+        raise TypeError(f"{name}: expected an integer array, got {facts.dtype}")
+    if facts.shape != lead:
+        raise ValueError(f"{name}: expected shape {_dims(lead)} ({what}), got {_shape(facts)}")
+
+
+def check_arrays(loss: Loss, arrays: dict[str, ArrayFacts | None], v_total: int | None = None) -> Shapes:
+    """Check kinds, dtypes, ranks, sizes and devices of the arrays (``None``: not given);
+    return ``N, H, V`` and the teacher's last size. ``v_total`` is the whole vocabulary where
+    ``weight`` holds a slice of it (vocabulary sharding; top-k indices are global)."""
+    x, weight, target, labels, bias = (arrays.get(k) for k in ("x", "weight", "target", "labels", "bias"))
+    assert x is not None and weight is not None
+    for name, facts in (("x", x), ("weight", weight)):
+        if facts.kind != "float" or facts.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{name}: expected a float32, bfloat16 or float16 array, got {facts.dtype}")
+    if weight.dtype != x.dtype:
+        raise TypeError(f"weight: expected the dtype of x ({x.dtype}), got {weight.dtype}")
+    _same_device("weight", weight, x)
+    if len(x.shape) not in (2, 3):
+        raise ValueError(f"x: expected shape [N, H] or [B, T, H], got {_shape(x)}")
+    if len(weight.shape) != 2:
+        raise ValueError(f"weight: expected shape [V, H], got {_shape(weight)}")
+    h = x.shape[-1]
+    v, wh = weight.shape
+    if h == 0:
+        raise ValueError(f"x: expected a non-empty hidden size H, got shape {_shape(x)}")
+    if v == 0:
+        raise ValueError(f"weight: expected a non-empty vocabulary V, got shape {_shape(weight)}")
+    if wh != h:
+        raise ValueError(f"weight: expected shape [V, {h}] (H = x.shape[-1]), got {_shape(weight)}")
+    lead = x.shape[:-1]
+    n = math.prod(lead)
+    t_size = _check_teacher(loss, arrays, x, lead, v, v_total or v) if loss.teacher is not None else 0
+
+    if labels is not None:
+        _int_array("labels", labels, lead, "x's leading dims")
+        _same_device("labels", labels, x)
+    elif loss.hard:
+        raise ValueError("labels: required when weight_hard_loss > 0 (the hard term's class indices), got None")
+    if bias is not None:
+        _float_array("bias", bias, x.dtype, "x")
+        if bias.shape != (v,):
+            raise ValueError(f"bias: expected shape [{v}] (V), got {_shape(bias)}")
+        _same_device("bias", bias, x)
+    return Shapes(n=n, h=h, v=v, t=t_size)
+
+
+def _check_teacher(
+    loss: Loss, arrays: dict[str, ArrayFacts | None], x: ArrayFacts, lead: tuple[int, ...], v: int, v_total: int
+) -> int:
+    """The teacher's arrays by format; returns the target's last size."""
+    fmt = loss.teacher.format  # type: ignore[union-attr]
+    target, tw, tb, idx = (arrays.get(k) for k in ("target", "teacher_weight", "teacher_bias", "target_indices"))
+    if target is None:
+        raise ValueError("target: required, got None")
+    _float_array("target", target, None)
+    _same_device("target", target, x)
+    for name, given, used in (("teacher_weight", tw, "hidden"), ("teacher_bias", tb, "hidden"),
+                              ("target_indices", idx, "topk_log_probs")):
+        if given is not None and fmt != used:
+            raise ValueError(f"{name}: only used with target_format={used!r}, got one with {fmt!r}")
+    if fmt == "hidden":
+        if len(target.shape) != len(lead) + 1 or target.shape[:-1] != lead:
+            raise ValueError(f"target: expected shape {_dims((*lead, 'Ht'))} (teacher hidden states), "  # type: ignore[arg-type]
+                             f"got {_shape(target)}")
+        if tw is None:
+            raise ValueError("teacher_weight: required with target_format='hidden' (the teacher's head [V, Ht])")
+        _float_array("teacher_weight", tw, target.dtype, "target")
+        _same_device("teacher_weight", tw, target, "target")
+        if len(tw.shape) != 2 or tw.shape[1] != target.shape[-1]:
+            raise ValueError(f"teacher_weight: expected shape [V, {target.shape[-1]}], got {_shape(tw)}")
+        if tw.shape[0] != v:
+            raise ValueError(
+                f"teacher_weight: expected {v} rows (the student's V), got {tw.shape[0]}: slice padded "
+                f"vocabulary rows off (teacher_weight[:{v}])"
+            )
+        if tb is not None:
+            _float_array("teacher_bias", tb, target.dtype, "target")
+            if tb.shape != (v,):
+                raise ValueError(f"teacher_bias: expected shape [{v}] (V), got {_shape(tb)}")
+        return target.shape[-1]
+    if fmt == "topk_log_probs":
+        if len(target.shape) != len(lead) + 1 or target.shape[:-1] != lead:
+            raise ValueError(f"target: expected shape {_dims((*lead, 'k'))} (top-k log-probs), "  # type: ignore[arg-type]
+                             f"got {_shape(target)}")
+        k = target.shape[-1]
+        if not 1 <= k <= v_total:
+            raise ValueError(f"target: expected 1 <= k <= V ({v_total}) top-k entries per row, got k = {k}")
+        if idx is None:
+            raise ValueError("target_indices: required with target_format='topk_log_probs' (the tokens of target)")
+        _int_array("target_indices", idx, (*lead, k), "target's shape")
+        _same_device("target_indices", idx, x)
+        return k
+    if target.shape != (*lead, v):
+        raise ValueError(f"target: expected shape {_dims((*lead, v))} (x's leading dims, V), got {_shape(target)}")
+    return v
+
+
+def check_array_args(describe: Callable[[str, object], ArrayFacts], loss: Loss, v_total: int | None = None,
+                     **arrays: object) -> Shapes:
+    """Describe each given array with the framework's ``describe`` (which raises ``TypeError``
+    for a non-array) and check them together with :func:`check_arrays`."""
+    facts = {name: None if value is None else describe(name, value) for name, value in arrays.items()}
+    return check_arrays(loss, facts, v_total)
+
+
+def check_int32_ignore_index(ignore_index: int, why: str) -> None:
+    """Where labels are compared as int32, ``ignore_index`` must fit in 32 bits (``why`` says where)."""
+    if not -(2**31) <= ignore_index < 2**31:
+        raise ValueError(f"ignore_index: expected an int that fits in 32 bits ({why}), got {ignore_index!r}")
+
+
+def check_label_values(kept_min: int, kept_max: int, v: int) -> None:
+    """Concrete labels of the hard term: every kept one lies in ``[0, V)``."""
+    if kept_min < 0 or kept_max >= v:
+        bad = kept_min if kept_min < 0 else kept_max
+        raise ValueError(f"labels: expected class indices in [0, {v}) for kept rows (weight_hard_loss > 0), got {bad}")
+
+
+def check_index_values(lo: int, hi: int, duplicated: bool, v: int) -> None:
+    """Concrete top-k indices: in ``[0, V)`` and distinct within a row."""
+    if lo < 0 or hi >= v:
+        raise ValueError(f"target_indices: expected token ids in [0, {v}), got {lo if lo < 0 else hi}")
+    if duplicated:
+        raise ValueError("target_indices: expected distinct token ids within each row, got a duplicate")
+
+
+def backend_unavailable(backend: str, why: str) -> ValueError:
+    """The error for a known backend that cannot run here, saying why."""
+    return ValueError(f"backend: {backend!r} is not available here: {why}")
+
+
+def unknown_backend(backend: object, names: tuple[str, ...]) -> ValueError:
+    return ValueError(f"backend: expected one of {', '.join(repr(n) for n in names)}, got {backend!r}")

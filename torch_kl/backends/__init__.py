@@ -1,0 +1,92 @@
+"""The backends of ``torch_kl``, named for the kernel they run: the one registry.
+
+``"auto"`` picks the first backend of ``AUTO_ORDER`` that can run on the inputs' device.
+``"jax"`` (the name of ``"pallas"`` before it was named for its kernel) is kept as an alias.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+from fused_kl.checks import backend_unavailable, unknown_backend
+
+
+def _triton_missing(device: torch.device) -> str | None:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "Triton is not installed (pip install triton)"
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return f"the Triton kernel needs CUDA tensors, got {device.type} (or set TRITON_INTERPRET=1 to interpret it)"
+    return None
+
+
+def _jax_missing(device: torch.device) -> str | None:
+    del device
+    try:
+        import jax  # noqa: F401
+    except ImportError:
+        return "JAX is not installed (pip install 'fused-kl[jax]')"
+    return None
+
+
+@dataclass(frozen=True)
+class Backend:
+    """``phases``: module of the row phases the chunk driver runs, or None for a backend that
+    brings its own driver (the bridge); ``missing(device)`` says why it cannot run, or None."""
+
+    name: str
+    runs: str
+    missing: Callable[[torch.device], str | None]
+    phases: str | None
+    single_device: bool = False
+
+
+REGISTRY = {
+    b.name: b
+    for b in (
+        Backend("triton", "the Triton row kernels, chunked", _triton_missing, "triton_phases"),
+        Backend("torch", "the same chunked algorithm in plain PyTorch", lambda d: None, "torch_phases"),
+        Backend("pallas", "jax_kl's Pallas kernels through DLPack, under torch autograd", _jax_missing, None, True),
+    )
+}
+ALIASES = {"jax": "pallas"}
+AUTO_ORDER = ("triton", "torch")
+NAMES = ("auto", *REGISTRY, *ALIASES)
+
+
+def resolve(name: object, device: torch.device) -> Backend:
+    """The backend a ``backend=`` argument names on ``device``, checked to run there."""
+    if name not in NAMES:
+        raise unknown_backend(name, NAMES)
+    if name == "auto":
+        for candidate in AUTO_ORDER:
+            backend = REGISTRY[candidate]
+            if (device.type == "cuda" or candidate == "torch") and backend.missing(device) is None:
+                return backend
+    backend = REGISTRY[ALIASES.get(name, name)]  # type: ignore[arg-type]
+    if (why := backend.missing(device)) is not None:
+        raise backend_unavailable(str(name), why)
+    return backend
+
+
+def phases_of(name: str) -> ModuleType:
+    """The row-phase module of a chunked backend, imported when first asked for."""
+    return importlib.import_module(f"{__name__}.{REGISTRY[name].phases}")
+
+
+def compute_of(name: str) -> Callable:
+    """The function that computes loss and gradients for a backend."""
+    if REGISTRY[name].phases is None:
+        from .pallas_bridge import torch_through_pallas
+
+        return torch_through_pallas
+    from ..driver import forward
+
+    return forward

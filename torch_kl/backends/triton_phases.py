@@ -1,0 +1,324 @@
+"""The row phases as Triton kernels: one program per row of a chunk of logits.
+
+The math is ``fused_kl.terms``'s docstring, translated to ``tl`` term by term (``_transform``,
+``_teacher``, ``_soft_direction``, ...); ``jax_kl/backends/pallas_triton.py`` is the same
+kernels in Pallas. Three phases, each a kernel, with the driver's per-row math (and, for a
+sharded vocabulary, the all-reduces) between them:
+
+* ``stats``: online log-sum-exps of the student (at ``T`` and, for the hard term, at 1) and of
+  teacher logits, the teacher's mass ``S = sum p``, ``sum f(z)`` and ``f(z_y)``;
+* ``value`` (reverse KL, JSD): the second reduction, ``sum q (log q - log p)`` / ``A, B``;
+* ``finish``: ``dL/dz`` written over the logits, and the forward KL's row sums.
+
+Each row is walked in ``[TILE_R, TILE_C]`` tiles (``fused_kl.plan``): running maxima and sums
+are kept per tile row and combined once. Offsets into the teacher are 64-bit (``N * V`` can
+exceed 2**31). Float arguments are cast to float32 on entry: ``torch.compile`` passes Python
+floats as float64, which would otherwise turn the loop-carried statistics into float64.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fused_kl.loss import KINDS, Loss
+
+PROBS: tl.constexpr = tl.constexpr(0)
+LOG_PROBS: tl.constexpr = tl.constexpr(1)
+LOGITS: tl.constexpr = tl.constexpr(2)
+NO_TEACHER: tl.constexpr = tl.constexpr(3)
+FORWARD: tl.constexpr = tl.constexpr(0)
+REVERSE: tl.constexpr = tl.constexpr(1)
+JSD: tl.constexpr = tl.constexpr(2)
+FORMATS = ("probs", "log_probs", "logits")
+# The running maxima start here, not at -inf: a tile row that is all padding then keeps
+# exp(m - m_new) = 1 and its sum 0, where -inf - -inf would make it NaN.
+LOWEST: tl.constexpr = tl.constexpr(-3.0e38)
+
+
+@triton.jit
+def _tanh(x):
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def _transform(z, scale, cap, CAPPED: tl.constexpr):
+    s = z * scale
+    if CAPPED:
+        s = cap * _tanh(s / cap)
+    return s
+
+
+@triton.jit
+def _slope(z, scale, cap, CAPPED: tl.constexpr):
+    if CAPPED:
+        th = _tanh(z * (scale / cap))
+        return scale * (1.0 - th * th)
+    else:
+        return scale + 0.0 * z
+
+
+@triton.jit
+def _teacher(t, lse_t, inv_tt, t_scale, t_cap, eps, FORMAT: tl.constexpr, T_CAPPED: tl.constexpr):
+    if FORMAT == PROBS:
+        p = t
+        log_p = tl.log(tl.maximum(t, eps))
+    elif FORMAT == LOG_PROBS:
+        p = tl.exp(t)
+        log_p = t
+    else:
+        log_p = _transform(t, t_scale, t_cap, T_CAPPED) * inv_tt - lse_t
+        p = tl.exp(log_p)
+    return p, log_p
+
+
+@triton.jit
+def _log_mix(p, q, beta):
+    m = beta * p + (1.0 - beta) * q
+    return m > 0, tl.log(m)
+
+
+@triton.jit
+def _soft_direction(q, log_q, p, log_p, k, beta, KIND: tl.constexpr):
+    if KIND == FORWARD:
+        d = q * k - p
+    elif KIND == REVERSE:
+        d = q * (log_q - log_p - k)
+    elif KIND == JSD:
+        pos, log_m = _log_mix(p, q, beta)
+        d = tl.where(pos, (1.0 - beta) * q * (log_q - log_m - k), 0.0)
+    else:
+        d = q * k
+    return d
+
+
+@triton.jit
+def _online(m, s, a):
+    """Running max and sum of exp per tile row, after one more tile ``a``."""
+    m_new = tl.maximum(m, tl.max(a, axis=1))
+    return m_new, s * tl.exp(m - m_new) + tl.sum(tl.exp(a - m_new[:, None]), axis=1)
+
+
+@triton.jit
+def _lse(m, s):
+    m_all = tl.max(m, axis=0)
+    return m_all + tl.log(tl.sum(s * tl.exp(m - m_all), axis=0))
+
+
+@triton.jit
+def _stats_kernel(
+    z_ptr, z_stride, t_ptr, t_stride_r, t_stride_c, y_ptr, out_ptr, V,
+    inv_t, scale, cap, inv_tt, t_scale, t_cap,
+    FORMAT: tl.constexpr, CAPPED: tl.constexpr, T_CAPPED: tl.constexpr, HARD: tl.constexpr,
+    HARD_LSE: tl.constexpr, TILE_R: tl.constexpr, TILE_C: tl.constexpr,
+):  # fmt: skip
+    inv_t, scale, cap = tl.cast(inv_t, tl.float32), tl.cast(scale, tl.float32), tl.cast(cap, tl.float32)
+    inv_tt, t_scale, t_cap = tl.cast(inv_tt, tl.float32), tl.cast(t_scale, tl.float32), tl.cast(t_cap, tl.float32)
+    r = tl.program_id(0).to(tl.int64)
+    z_row = z_ptr + r * z_stride
+    t_row = t_ptr + r * t_stride_r
+    offs = tl.arange(0, TILE_R)[:, None] * TILE_C + tl.arange(0, TILE_C)[None, :]
+    BLOCK: tl.constexpr = TILE_R * TILE_C
+    m = tl.full([TILE_R], LOWEST, tl.float32)
+    s = tl.zeros([TILE_R], tl.float32)
+    mh = tl.full([TILE_R], LOWEST, tl.float32)
+    sh = tl.zeros([TILE_R], tl.float32)
+    mt = tl.full([TILE_R], LOWEST, tl.float32)
+    st = tl.zeros([TILE_R], tl.float32)
+    mass = tl.zeros([TILE_R], tl.float32)
+    f_sum = tl.zeros([TILE_R], tl.float32)
+    for start in range(0, V, BLOCK):
+        cols = start + offs
+        mask = cols < V
+        f = _transform(tl.load(z_row + cols, mask=mask, other=0.0).to(tl.float32), scale, cap, CAPPED)
+        m, s = _online(m, s, tl.where(mask, f * inv_t, -float("inf")))
+        if HARD_LSE:
+            mh, sh = _online(mh, sh, tl.where(mask, f, -float("inf")))
+        if HARD:
+            f_sum += tl.sum(tl.where(mask, f, 0.0), axis=1)
+        if FORMAT == LOGITS:
+            t = tl.load(t_row + cols * t_stride_c, mask=mask, other=0.0).to(tl.float32)
+            mt, st = _online(mt, st, tl.where(mask, _transform(t, t_scale, t_cap, T_CAPPED) * inv_tt, -float("inf")))
+        elif FORMAT != NO_TEACHER:
+            t = tl.load(t_row + cols * t_stride_c, mask=mask, other=0.0).to(tl.float32)
+            if FORMAT == LOG_PROBS:
+                t = tl.where(mask, tl.exp(t), 0.0)
+            mass += tl.sum(t, axis=1)
+    lse = _lse(m, s)
+    lse_h = lse
+    if HARD_LSE:
+        lse_h = _lse(mh, sh)
+    lse_t = 0.0
+    if FORMAT == LOGITS:
+        lse_t = _lse(mt, st)
+    label_logit = 0.0
+    if HARD:
+        y = tl.load(y_ptr + r)
+        inside = (y >= 0) & (y < V)
+        z_y = tl.load(z_row + tl.where(inside, y, 0)).to(tl.float32)
+        label_logit = tl.where(inside, _transform(z_y, scale, cap, CAPPED), 0.0)
+    out = out_ptr + r * 6
+    tl.store(out, lse)
+    tl.store(out + 1, lse_h)
+    tl.store(out + 2, lse_t)
+    tl.store(out + 3, tl.sum(mass, axis=0))
+    tl.store(out + 4, tl.sum(f_sum, axis=0))
+    tl.store(out + 5, label_logit)
+
+
+@triton.jit
+def _value_kernel(
+    z_ptr, z_stride, t_ptr, t_stride_r, t_stride_c, stats_ptr, out_ptr, V,
+    inv_t, scale, cap, inv_tt, t_scale, t_cap, eps, beta,
+    FORMAT: tl.constexpr, KIND: tl.constexpr, CAPPED: tl.constexpr, T_CAPPED: tl.constexpr,
+    TILE_R: tl.constexpr, TILE_C: tl.constexpr,
+):  # fmt: skip
+    inv_t, scale, cap = tl.cast(inv_t, tl.float32), tl.cast(scale, tl.float32), tl.cast(cap, tl.float32)
+    inv_tt, t_scale, t_cap = tl.cast(inv_tt, tl.float32), tl.cast(t_scale, tl.float32), tl.cast(t_cap, tl.float32)
+    eps, beta = tl.cast(eps, tl.float32), tl.cast(beta, tl.float32)
+    r = tl.program_id(0).to(tl.int64)
+    z_row = z_ptr + r * z_stride
+    t_row = t_ptr + r * t_stride_r
+    offs = tl.arange(0, TILE_R)[:, None] * TILE_C + tl.arange(0, TILE_C)[None, :]
+    BLOCK: tl.constexpr = TILE_R * TILE_C
+    lse = tl.load(stats_ptr + r * 6)
+    lse_t = tl.load(stats_ptr + r * 6 + 2)
+    acc_a = tl.zeros([TILE_R], tl.float32)
+    acc_b = tl.zeros([TILE_R], tl.float32)
+    for start in range(0, V, BLOCK):
+        cols = start + offs
+        mask = cols < V
+        f = _transform(tl.load(z_row + cols, mask=mask, other=0.0).to(tl.float32), scale, cap, CAPPED)
+        log_q = f * inv_t - lse
+        q = tl.exp(log_q)
+        t = tl.load(t_row + cols * t_stride_c, mask=mask, other=0.0).to(tl.float32)
+        p, log_p = _teacher(t, lse_t, inv_tt, t_scale, t_cap, eps, FORMAT, T_CAPPED)
+        if KIND == REVERSE:
+            acc_a += tl.sum(tl.where(mask, q * (log_q - log_p), 0.0), axis=1)
+        else:
+            pos, log_m = _log_mix(p, q, beta)
+            acc_a += tl.sum(tl.where(mask & (p > 0), p * (log_p - log_m), 0.0), axis=1)
+            acc_b += tl.sum(tl.where(mask & pos, q * (log_q - log_m), 0.0), axis=1)
+    tl.store(out_ptr + r * 2, tl.sum(acc_a, axis=0))
+    tl.store(out_ptr + r * 2 + 1, tl.sum(acc_b, axis=0))
+
+
+@triton.jit
+def _finish_kernel(
+    z_ptr, z_stride, t_ptr, t_stride_r, t_stride_c, y_ptr, coef_ptr, out_ptr, V,
+    inv_t, scale, cap, inv_tt, t_scale, t_cap, eps, beta, keep_label, smooth_per_v,
+    FORMAT: tl.constexpr, KIND: tl.constexpr, CAPPED: tl.constexpr, T_CAPPED: tl.constexpr,
+    HARD: tl.constexpr, WRITE_GRAD: tl.constexpr, TILE_R: tl.constexpr, TILE_C: tl.constexpr,
+):  # fmt: skip
+    inv_t, scale, cap = tl.cast(inv_t, tl.float32), tl.cast(scale, tl.float32), tl.cast(cap, tl.float32)
+    inv_tt, t_scale, t_cap = tl.cast(inv_tt, tl.float32), tl.cast(t_scale, tl.float32), tl.cast(t_cap, tl.float32)
+    eps, beta = tl.cast(eps, tl.float32), tl.cast(beta, tl.float32)
+    keep_label, smooth_per_v = tl.cast(keep_label, tl.float32), tl.cast(smooth_per_v, tl.float32)
+    r = tl.program_id(0).to(tl.int64)
+    z_row = z_ptr + r * z_stride
+    t_row = t_ptr + r * t_stride_r
+    offs = tl.arange(0, TILE_R)[:, None] * TILE_C + tl.arange(0, TILE_C)[None, :]
+    BLOCK: tl.constexpr = TILE_R * TILE_C
+    coef = coef_ptr + r * 6
+    lse = tl.load(coef)
+    lse_h = tl.load(coef + 1)
+    lse_t = tl.load(coef + 2)
+    k = tl.load(coef + 3)
+    c_soft = tl.load(coef + 4)
+    c_hard = tl.load(coef + 5)
+    live = (c_soft != 0.0) | (c_hard != 0.0)  # ignored rows: exactly 0, never NaN
+    y = -1
+    if HARD:
+        y = tl.load(y_ptr + r)
+    acc = tl.zeros([TILE_R], tl.float32)
+    for start in range(0, V, BLOCK):
+        cols = start + offs
+        mask = cols < V
+        z = tl.load(z_row + cols, mask=mask, other=0.0).to(tl.float32)
+        f = _transform(z, scale, cap, CAPPED)
+        log_q = f * inv_t - lse
+        q = tl.exp(log_q)
+        if FORMAT != NO_TEACHER:
+            t = tl.load(t_row + cols * t_stride_c, mask=mask, other=0.0).to(tl.float32)
+            p, log_p = _teacher(t, lse_t, inv_tt, t_scale, t_cap, eps, FORMAT, T_CAPPED)
+        else:
+            p = q
+            log_p = log_q
+        if KIND == FORWARD:
+            acc += tl.sum(tl.where(mask & (p != 0.0), p * (log_p - log_q), 0.0), axis=1)
+        if WRITE_GRAD:
+            g = c_soft * _soft_direction(q, log_q, p, log_p, k, beta, KIND)
+            if HARD:
+                g += c_hard * (tl.exp(f - lse_h) - tl.where(cols == y, keep_label, 0.0) - smooth_per_v)
+            g = tl.where(live, g * _slope(z, scale, cap, CAPPED), 0.0)
+            tl.store(z_row + cols, g.to(z_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + r, tl.sum(acc, axis=0))
+
+
+def _common(loss: Loss) -> dict:
+    """The float arguments every kernel takes, and the transform flags."""
+    teacher = loss.teacher
+    return dict(
+        inv_t=1.0 / loss.temperature,
+        scale=loss.logit_scale,
+        cap=loss.softcap or 1.0,
+        inv_tt=1.0 / teacher.temperature if teacher else 1.0,
+        t_scale=teacher.logit_scale if teacher else 1.0,
+        t_cap=(teacher.softcap or 1.0) if teacher else 1.0,
+        CAPPED=loss.softcap is not None,
+        T_CAPPED=teacher is not None and teacher.softcap is not None,
+    )
+
+
+def _format(loss: Loss, t: torch.Tensor | None) -> int:
+    return 3 if t is None else FORMATS.index(loss.teacher.dense_format)  # type: ignore[union-attr]
+
+
+def _teacher_args(z: torch.Tensor, t: torch.Tensor | None) -> tuple:
+    return (z, 0, 0) if t is None else (t, t.stride(0), t.stride(1))
+
+
+def _launch(tile: tuple[int, int]) -> dict:
+    return dict(TILE_R=tile[0], TILE_C=tile[1], num_warps=8 if tile[0] * tile[1] >= 2048 else 4)
+
+
+def stats(z: torch.Tensor, t: torch.Tensor | None, y: torch.Tensor | None, loss: Loss, tile: tuple[int, int]):
+    """``fused_kl.rowmath.STATS`` of each row of the chunk (local to this vocabulary slice)."""
+    rows, v = z.shape
+    out = torch.empty(rows, 6, dtype=torch.float32, device=z.device)
+    if rows:
+        _stats_kernel[(rows,)](
+            z, z.stride(0), *_teacher_args(z, t), out if y is None else y, out, v, **_common(loss),
+            FORMAT=_format(loss, t), HARD=y is not None, HARD_LSE=loss.separate_hard_lse, **_launch(tile),
+        )  # fmt: skip
+    return out
+
+
+def value(z: torch.Tensor, t: torch.Tensor, stats: torch.Tensor, loss: Loss, tile: tuple[int, int]) -> torch.Tensor:
+    """Phase 2 (reverse KL, JSD): each row's sums ``(R, 0)`` or ``(A, B)``."""
+    rows, v = z.shape
+    out = torch.empty(rows, 2, dtype=torch.float32, device=z.device)
+    if rows:
+        _value_kernel[(rows,)](
+            z, z.stride(0), *_teacher_args(z, t), stats, out, v, **_common(loss), eps=loss.teacher.eps,
+            beta=loss.beta, FORMAT=_format(loss, t), KIND=KINDS.index(loss.kind), **_launch(tile),
+        )  # fmt: skip
+    return out
+
+
+def finish(
+    z: torch.Tensor, t: torch.Tensor | None, y: torch.Tensor | None, coefs: torch.Tensor, loss: Loss, v_total: int,
+    tile: tuple[int, int], write_grad: bool
+) -> torch.Tensor:
+    """Phase 3: ``dL/dz`` over ``z`` (if ``write_grad``); returns the rows' forward-KL sums."""
+    rows, v = z.shape
+    out = torch.empty(rows, dtype=torch.float32, device=z.device)
+    if rows:
+        _finish_kernel[(rows,)](
+            z, z.stride(0), *_teacher_args(z, t), coefs if y is None else y, coefs, out, v, **_common(loss),
+            eps=loss.teacher.eps if loss.teacher else 1e-10, beta=loss.beta, keep_label=1.0 - loss.label_smoothing,
+            smooth_per_v=loss.label_smoothing / v_total, FORMAT=_format(loss, t), KIND=KINDS.index(loss.kind),
+            HARD=y is not None, WRITE_GRAD=write_grad, **_launch(tile),
+        )  # fmt: skip
+    return out

@@ -1,0 +1,209 @@
+"""The chunk driver in PyTorch: per chunk of rows, the logits GEMM, the teacher's chunk, the
+row phases with the layout's collective points between them, and the gradient GEMMs.
+
+The ``[N, V]`` logits never exist: one ``[chunk, V]`` buffer is reused for every chunk's
+logits and, after the ``finish`` phase, for its ``dL/dz``. ``jax_kl/driver.py`` is the mirror.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fused_kl import rowmath
+from fused_kl.loss import Loss
+from fused_kl.options import RunOptions
+from fused_kl.plan import plan_chunks
+
+from . import teachers
+from .backends import phases_of
+from .layout import Layout
+from .teachers import TeacherArrays
+
+
+@dataclass(frozen=True)
+class Needs:
+    """Which gradients to compute; all False computes the loss alone."""
+
+    x: bool = False
+    weight: bool = False
+    bias: bool = False
+
+    @property
+    def any(self) -> bool:
+        return self.x or self.weight or self.bias
+
+
+_OUT_DTYPE: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def _has_out_dtype(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch.mm``/``torch.addmm`` take ``out_dtype=float32`` for ``dtype`` operands here
+    (torch >= 2.8, CUDA): a float32 accumulator is then written by the GEMM itself."""
+    key = (device.type, dtype)
+    if key not in _OUT_DTYPE:
+        a = torch.zeros(1, 1, dtype=dtype, device=device)
+        acc = torch.zeros(1, 1, device=device)
+        try:
+            torch.mm(a, a, out_dtype=torch.float32, out=acc)
+            torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)
+            _OUT_DTYPE[key] = True
+        except (TypeError, RuntimeError, NotImplementedError):
+            _OUT_DTYPE[key] = False
+    return _OUT_DTYPE[key]
+
+
+def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
+    """``acc (+)= a @ b`` accumulated in ``acc``'s dtype; the first product overwrites ``acc``
+    (no zero fill) when the GEMM can write its dtype."""
+    if acc.dtype == a.dtype:
+        if first:
+            torch.mm(a, b, out=acc)
+        else:
+            acc.addmm_(a, b)
+    elif _has_out_dtype(acc.device, a.dtype):
+        if first:
+            torch.mm(a, b, out_dtype=acc.dtype, out=acc)
+        else:
+            torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+    else:
+        if first:
+            acc.zero_()
+        acc.add_(torch.mm(a, b))
+
+
+@dataclass
+class Grads:
+    """The gradient buffers being filled, ``None`` where not needed."""
+
+    x: torch.Tensor | None
+    weight: torch.Tensor | None
+    bias: torch.Tensor | None
+
+
+def _allocate(x, weight, needs: Needs, run: RunOptions, has_chunks: bool, out: dict) -> Grads:
+    n, h = x.shape
+    v, dev = weight.shape[0], x.device
+    accum = getattr(torch, run.accum_dtype) if run.accum_dtype else weight.dtype
+
+    def buffer(key: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        given = out.get(key)  # the caller's buffer (the bridge hands JAX's this way)
+        return given if given is not None and given.dtype == dtype else torch.empty(shape, dtype=dtype, device=dev)
+
+    grad_w = buffer("grad_weight", accum, (v, h)) if needs.weight else None
+    if grad_w is not None and not has_chunks:  # otherwise the first chunk's GEMM writes it
+        grad_w.zero_()
+    return Grads(
+        x=buffer("grad_x", x.dtype, (n, h)) if needs.x else None,
+        weight=grad_w,
+        bias=buffer("grad_bias", torch.float32, (v,)).zero_() if needs.bias else None,
+    )
+
+
+def _cast_into(value: torch.Tensor, dest: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """``value`` in ``dtype``, written into ``dest`` when one is given (a no-op if it is ``dest``)."""
+    if dest is None:
+        return value.to(dtype)
+    if dest is not value:
+        dest.copy_(value)
+    return dest
+
+
+def forward(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    teacher: TeacherArrays,
+    labels: torch.Tensor | None,
+    loss: Loss,
+    run: RunOptions,
+    layout: Layout,
+    needs: Needs,
+    out: dict[str, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Loss and the needed gradients of 2-D inputs ``x [N, H]``, ``labels [N]`` and a teacher.
+
+    ``out`` may hold preallocated ``loss``/``grad_x``/``grad_weight``/``grad_bias`` to write into.
+    """
+    out = out or {}
+    n = x.shape[0]
+    v, dev = weight.shape[0], x.device
+    v0, v_total = layout.vocab_start(v), v * layout.vocab_shards
+    plan = plan_chunks(n, v, x.element_size(), run.chunk_size, teachers.buffers(loss))
+    phases = phases_of(run.backend)
+
+    keep = torch.ones(n, dtype=torch.bool, device=dev) if labels is None else labels != loss.ignore_index
+    kept = layout.batch_sum(keep.sum(dtype=torch.float32))
+    weights = rowmath.scales(kept, loss, v_total, x.dtype == torch.float16, torch)
+    grads = _allocate(x, weight, needs, run, bool(plan.bounds), out)
+    row_loss = torch.empty(n, dtype=torch.float32, device=dev)
+    wt = weight.t()
+
+    rows = plan.chunk_rows if n else 0
+    buf = torch.empty(rows, v, dtype=x.dtype, device=dev)  # logits, then dL/dz in place
+    t_buf = torch.empty(rows, v, dtype=teacher.target.dtype, device=dev) if teachers.buffers(loss) == 2 else None
+    for start, stop in plan.bounds:
+        xc, z = x[start:stop], buf[: stop - start]
+        if bias is None:
+            torch.mm(xc, wt, out=z)
+        else:
+            torch.addmm(bias, xc, wt, out=z)
+        t = teachers.dense_chunk(loss, teacher, start, stop, t_buf)
+        row_loss[start:stop] = _rows(z, t, labels, keep, teacher, start, stop, v0, v_total, weights, loss, layout,
+                                     phases, plan.tile, needs.any)
+        if grads.x is not None:
+            torch.mm(z, weight, out=grads.x[start:stop])
+        if grads.weight is not None:
+            _accumulate(grads.weight, z.t(), xc, first=start == 0)
+        if grads.bias is not None:
+            grads.bias.add_(z.sum(0, dtype=torch.float32))
+
+    unscale = weights[2]
+    if unscale is not None:  # float16; exact: a power of two
+        for grad in (grads.x, grads.weight, grads.bias):
+            if grad is not None:
+                grad.mul_(unscale)
+    if grads.x is not None and layout.vocab_group is not None:
+        grads.x = _cast_into(layout.vocab_sum(grads.x), grads.x, grads.x.dtype)
+    total = _cast_into(row_loss.sum(), out.get("loss"), torch.float32)
+    grad_w = None if grads.weight is None else _cast_into(grads.weight, out.get("grad_weight"), weight.dtype)
+    grad_b = None if grads.bias is None else _cast_into(grads.bias, out.get("grad_bias"), bias.dtype)  # type: ignore[union-attr]
+    return total, grads.x, grad_w, grad_b
+
+
+def _rows(z, t, labels, keep, teacher, start, stop, v0, v_total, weights, loss: Loss, layout: Layout, phases, tile,
+          write_grad: bool) -> torch.Tensor:
+    """The row phases of one chunk: its row losses, and ``dL/dz`` over ``z`` if ``write_grad``."""
+    keep_c = keep[start:stop]
+    y = None if labels is None else labels[start:stop]
+    y_local = y - v0 if loss.hard else None
+    stats = layout.combine_stats(phases.stats(z, t, y_local, loss, tile))
+    kind = loss.kind
+    topk = loss.soft and t is None
+    value_sums = None
+    if kind in ("reverse", "jsd"):
+        value_sums = layout.vocab_sum(phases.value(z, t, stats, loss, tile))  # reads lse, lse_teacher
+    topk_const = None
+    if topk:
+        idx = teacher.indices[start:stop]
+        local = (idx >= v0) & (idx < v0 + z.shape[1])
+        at = torch.where(local, idx - v0, 0)
+        soft, topk_const, g_at = rowmath.topk(
+            z.gather(1, at).float(), local, teacher.target[start:stop].float(), idx == y[:, None] if loss.hard else False,
+            (stats[:, 0], stats[:, 1]), rowmath.row_scales(keep_c, weights, loss, torch), loss, v_total, layout.vocab_sum, torch,
+        )  # fmt: skip
+    coefs = rowmath.coefficients(stats, keep_c, value_sums, topk_const, weights, loss, torch)
+    partial = None
+    if write_grad or kind == "forward":
+        partial = phases.finish(z, t, y_local, coefs, loss, v_total, tile, write_grad)
+    if kind == "forward":
+        soft = layout.vocab_sum(partial)
+    elif not topk:
+        soft = rowmath.soft_rows(kind, value_sums, None, loss.beta) if loss.soft else None
+    if topk and write_grad:
+        live = (coefs[:, 4:5] != 0) | (coefs[:, 5:6] != 0)
+        delta = torch.where(local & live, g_at - z.gather(1, at).float(), 0.0)
+        z.scatter_add_(1, at, delta.to(z.dtype))
+    labels_ok = True if y is None else (y >= 0) & (y < v_total)
+    return rowmath.row_losses(stats, keep_c, labels_ok, soft, weights, loss, v_total, torch)

@@ -1,0 +1,42 @@
+"""The teacher of one chunk, whatever form it arrives in.
+
+A dense target is sliced; a teacher head makes the chunk's logits with one more GEMM (the
+teacher's ``[N, V]`` logits never exist); top-k log-probabilities stay ``[rows, k]`` and are
+handled around the row kernel (``fused_kl.rowmath.topk``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fused_kl.loss import Loss
+
+
+@dataclass
+class TeacherArrays:
+    """The teacher's arrays, flattened to rows: ``target`` ``[N, V | Ht | k]``."""
+
+    target: torch.Tensor | None = None
+    weight: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+    indices: torch.Tensor | None = None
+
+
+def buffers(loss: Loss) -> int:
+    """How many ``[rows, V]`` buffers a chunk holds: the logits, and the teacher head's logits."""
+    return 2 if loss.teacher is not None and loss.teacher.format == "hidden" else 1
+
+
+def dense_chunk(loss: Loss, arrays: TeacherArrays, start: int, stop: int, buf: torch.Tensor | None):
+    """The chunk's dense ``[rows, V]`` teacher (a view, or the head's logits in ``buf``), or None."""
+    if loss.teacher is None or loss.teacher.dense_format is None or not loss.soft:
+        return None
+    rows = arrays.target[start:stop]  # type: ignore[index]
+    if loss.teacher.format != "hidden":
+        return rows
+    out = buf[: stop - start]  # type: ignore[index]
+    if arrays.bias is None:
+        return torch.mm(rows, arrays.weight.t(), out=out)  # type: ignore[union-attr]
+    return torch.addmm(arrays.bias, rows, arrays.weight.t(), out=out)  # type: ignore[union-attr]
