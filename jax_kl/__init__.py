@@ -1,5 +1,5 @@
-"""Fused LM head + KL divergence loss for JAX (Pallas kernel, chunked, gradient in forward)."""
+"""Fused LM head + distillation loss for JAX: Pallas kernels, chunked, gradient in the forward pass."""
 
-from .api import fused_linear_kl_div
+from .api import fused_linear_cross_entropy, fused_linear_kl_div
 
-__all__ = ["fused_linear_kl_div"]
+__all__ = ["fused_linear_cross_entropy", "fused_linear_kl_div"]

@@ -1,22 +1,52 @@
-"""``jax_kl.fused_linear_kl_div``: validate, pick the backend, run under ``custom_vjp``."""
+"""``jax_kl.fused_linear_kl_div`` and ``fused_linear_cross_entropy``: validate, pick the
+backend, run under ``custom_vjp`` (mirror of ``torch_kl/api.py``)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from . import chunked
-from .autograd import fused_linear_kl_div_vjp
+from .autograd import fused_linear_loss
+from .backends import compute_of
+from .layout import Layout
+from .sharding import run_sharded, vocab_shards_inside
+from .teachers import TeacherArrays
 from .validate import validate
 
 
-def _compute(backend: str):
-    if backend == "triton":
-        from fused_kl import bridge
+def _run(arrays: dict[str, Any], with_teacher: bool, mesh, batch_axis, vocab_axis, options: dict[str, Any]):
+    inside = mesh is None and (batch_axis is not None or vocab_axis is not None)
+    shards = vocab_shards_inside(vocab_axis) if inside else 1
+    shapes, loss, run = validate(arrays, shards, with_teacher=with_teacher,
+                                 single_device=mesh is None and not inside, **options)
+    n = shapes.n
 
-        return bridge.jax_through_triton
-    return chunked.forward
+    def rows(name: str, width: int | None):
+        a = arrays.get(name)
+        if a is None:
+            return None
+        a = jnp.asarray(a)
+        return a.reshape(n) if width is None else a.reshape(n, width)
+
+    target = rows("target", shapes.t)
+    teacher = TeacherArrays(
+        None if target is None else lax.stop_gradient(target),
+        *(None if arrays.get(k) is None else lax.stop_gradient(jnp.asarray(arrays[k]))
+          for k in ("teacher_weight", "teacher_bias")),
+        rows("target_indices", shapes.t),
+    )
+    x = rows("x", shapes.h)
+    weight = jnp.asarray(arrays["weight"])
+    bias = None if arrays.get("bias") is None else jnp.asarray(arrays["bias"])
+    labels = rows("labels", None)
+    compute = compute_of(run.backend)
+    layout = Layout(batch_axis, vocab_axis)
+    if mesh is not None:
+        return run_sharded(mesh, layout, x, weight, bias, teacher, labels, loss, run, compute)
+    return fused_linear_loss(x, weight, bias, teacher, labels, loss, run, layout, compute)
 
 
 def fused_linear_kl_div(
@@ -35,48 +65,65 @@ def fused_linear_kl_div(
     accum_dtype=None,
     chunk_size: int | None = None,
     backend: str = "auto",
+    beta: float = 0.0,
+    weight_hard_loss: float = 0.0,
+    weight_soft_loss: float = 1.0,
+    label_smoothing: float = 0.0,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    teacher_weight: jax.Array | None = None,
+    teacher_bias: jax.Array | None = None,
+    target_indices: jax.Array | None = None,
+    topk_tail: str = "bin",
+    teacher_logit_scale: float = 1.0,
+    teacher_softcap: float | None = None,
+    mesh: jax.sharding.Mesh | None = None,
+    batch_axis: str | None = None,
+    vocab_axis: str | None = None,
 ) -> jax.Array:
-    """``KL(p || softmax((x @ weight.T + bias) / temperature))`` without materialising the logits.
+    """The distillation loss of the student head ``x @ weight.T (+ bias)`` against a teacher,
+    without materialising the ``[N, V]`` logits (docs/contract.md has the full contract).
 
-    Args:
-        x: hidden states ``[N, H]`` or ``[B, T, H]`` (float32, bfloat16 or float16).
-        weight: the LM head ``[V, H]`` (the ``nn.Linear`` layout), same dtype as ``x``.
-        target: the teacher ``[N, V]`` or ``[B, T, V]``, read as ``target_format`` says:
-            ``"probs"``, ``"log_probs"`` or ``"logits"`` (softmax over ``teacher_temperature``).
-            It is a constant: ``jax.grad`` gives it a zero gradient.
-        labels: optional integer ``[N]`` / ``[B, T]``; rows equal to ``ignore_index`` are ignored.
-        bias: optional head bias ``[V]``.
-        reduction: ``"batchmean"`` (sum / kept rows), ``"sum"``, or ``"mean"`` (sum / (kept rows * V)).
-        temperature: the student's softmax temperature.
-        eps: floor of the teacher's probabilities inside the log (``"probs"`` only).
-        accum_dtype: dtype in which ``grad_weight`` is accumulated across chunks
-            (None = ``weight.dtype``; ``jnp.float32`` for precision).
-        chunk_size: rows per chunk (None = a heuristic near the GEMM floor; smaller saves memory).
-        backend: ``"auto"``, ``"pallas"`` (interpreted on CPU), ``"xla"`` or ``"triton"``
-            (torch_kl's kernel via DLPack).
-
-    Returns:
-        The float32 scalar loss. Works under ``jax.jit``, ``jax.grad`` and ``jax.value_and_grad``.
+    The arguments are ``torch_kl.fused_linear_kl_div``'s, with ``mesh``, ``batch_axis`` and
+    ``vocab_axis`` for several devices: global arrays sharded over ``mesh`` (``x``:
+    ``P(batch_axis, None)``, ``weight``: ``P(vocab_axis, None)``), or, without ``mesh``, the
+    local blocks inside the caller's own ``shard_map`` over those axis names. The teacher's
+    arrays get a zero gradient (``stop_gradient``). Works under ``jax.jit``, ``jax.grad``,
+    ``jax.lax.scan``, ``jax.checkpoint`` and ``jax.vmap``.
     """
-    shapes, opts = validate(
-        x,
-        weight,
-        target,
-        labels,
-        bias,
-        reduction=reduction,
-        ignore_index=ignore_index,
-        temperature=temperature,
-        eps=eps,
-        target_format=target_format,
-        teacher_temperature=teacher_temperature,
-        accum_dtype=accum_dtype,
-        chunk_size=chunk_size,
-        backend=backend,
-    )
-    x = jnp.asarray(x)
-    x2 = x.reshape(shapes.n, shapes.h)
-    target2 = lax.stop_gradient(jnp.asarray(target).reshape(shapes.n, shapes.v))
-    labels1 = None if labels is None else jnp.asarray(labels).reshape(shapes.n)
-    bias = None if bias is None else jnp.asarray(bias)
-    return fused_linear_kl_div_vjp(x2, jnp.asarray(weight), target2, labels1, bias, opts, _compute(opts.backend))
+    arrays = dict(x=x, weight=weight, target=target, labels=labels, bias=bias, teacher_weight=teacher_weight,
+                  teacher_bias=teacher_bias, target_indices=target_indices)
+    options = dict(reduction=reduction, ignore_index=ignore_index, temperature=temperature, eps=eps,
+                   target_format=target_format, teacher_temperature=teacher_temperature, accum_dtype=accum_dtype,
+                   chunk_size=chunk_size, backend=backend, beta=beta, weight_hard_loss=weight_hard_loss,
+                   weight_soft_loss=weight_soft_loss, label_smoothing=label_smoothing, logit_scale=logit_scale,
+                   softcap=softcap, topk_tail=topk_tail, teacher_logit_scale=teacher_logit_scale,
+                   teacher_softcap=teacher_softcap)
+    return _run(arrays, True, mesh, batch_axis, vocab_axis, options)
+
+
+def fused_linear_cross_entropy(
+    x: jax.Array,
+    weight: jax.Array,
+    labels: jax.Array,
+    *,
+    bias: jax.Array | None = None,
+    reduction: str = "mean",
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    accum_dtype=None,
+    chunk_size: int | None = None,
+    backend: str = "auto",
+    mesh: jax.sharding.Mesh | None = None,
+    batch_axis: str | None = None,
+    vocab_axis: str | None = None,
+) -> jax.Array:
+    """``torch.nn.functional.cross_entropy`` of the head's logits, fused the same way: no teacher,
+    ``"mean"`` divides by the kept rows as torch does."""
+    arrays = dict(x=x, weight=weight, labels=labels, bias=bias)
+    options = dict(reduction="batchmean" if reduction == "mean" else reduction, ignore_index=ignore_index,
+                   label_smoothing=label_smoothing, logit_scale=logit_scale, softcap=softcap, accum_dtype=accum_dtype,
+                   chunk_size=chunk_size, backend=backend, weight_hard_loss=1.0, weight_soft_loss=0.0)
+    return _run(arrays, False, mesh, batch_axis, vocab_axis, options)

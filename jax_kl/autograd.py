@@ -1,5 +1,5 @@
-"""Stage 5 in JAX: the ``custom_vjp`` glue. The forward rule computes the gradients; the
-backward rule scales them by the cotangent."""
+"""The ``custom_vjp`` glue: the forward rule computes the loss and its gradients; the backward
+rule scales them by the cotangent (mirror of ``torch_kl/autograd.py``)."""
 
 from __future__ import annotations
 
@@ -9,22 +9,24 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from fused_kl.contract import Options
+from fused_kl.loss import Loss
+from fused_kl.options import RunOptions
 
-Compute = Callable[..., tuple[jax.Array, jax.Array | None, jax.Array | None, jax.Array | None]]
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def fused_linear_kl_div_vjp(x, weight, target, labels, bias, opts: Options, compute: Compute):
-    """``loss = KL(target || softmax((x @ weight.T + bias) / T))``; outside ``jax.grad``
-    only the loss is computed. ``compute`` is the backend (chunked Pallas/XLA, or the bridge
-    to the Triton kernel)."""
-    return compute(x, weight, target, labels, bias, opts, False)[0]
+from .layout import Layout
+from .teachers import TeacherArrays
 
 
-def _forward(x, weight, target, labels, bias, opts, compute):
-    loss, grad_x, grad_w, grad_b = compute(x, weight, target, labels, bias, opts, True)
-    return loss, (grad_x, grad_w, grad_b)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def fused_linear_loss(x, weight, bias, teacher: TeacherArrays, labels, loss: Loss, run: RunOptions, layout: Layout,
+                      compute: Callable):
+    """The fused loss of ``x @ weight.T (+ bias)``; outside ``jax.grad`` only the loss is
+    computed. ``compute`` is the backend (the chunk driver, or the bridge to Triton)."""
+    return compute(x, weight, bias, teacher, labels, loss, run, layout, False)[0]
+
+
+def _forward(x, weight, bias, teacher, labels, loss, run, layout, compute):
+    value, grad_x, grad_w, grad_b = compute(x, weight, bias, teacher, labels, loss, run, layout, True)
+    return value, (grad_x, grad_w, grad_b)
 
 
 def _scale(grad: jax.Array | None, ct: jax.Array) -> jax.Array | None:
@@ -32,11 +34,11 @@ def _scale(grad: jax.Array | None, ct: jax.Array) -> jax.Array | None:
     return None if grad is None else (grad.astype(jnp.float32) * ct).astype(grad.dtype)
 
 
-def _backward(opts, compute, grads, ct):
-    del opts, compute
-    grad_x, grad_w, grad_b = grads
-    # The target and labels get no gradient (stop_gradient semantics).
-    return _scale(grad_x, ct), _scale(grad_w, ct), None, None, _scale(grad_b, ct)
+def _backward(loss, run, layout, compute, res, ct):
+    del loss, run, layout, compute
+    grad_x, grad_w, grad_b = res
+    # The teacher and labels get no gradient (stop_gradient semantics).
+    return _scale(grad_x, ct), _scale(grad_w, ct), _scale(grad_b, ct), None, None
 
 
-fused_linear_kl_div_vjp.defvjp(_forward, _backward)
+fused_linear_loss.defvjp(_forward, _backward)

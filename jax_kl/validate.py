@@ -1,4 +1,4 @@
-"""Stage 1: check every argument against SPEC.md before any kernel runs."""
+"""Check every argument against docs/contract.md before any kernel runs."""
 
 from __future__ import annotations
 
@@ -8,17 +8,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fused_kl.contract import (
+from fused_kl.checks import (
     ArrayFacts,
-    Options,
     Shapes,
-    backend_unavailable,
     check_array_args,
+    check_index_values,
     check_int32_ignore_index,
+    check_label_values,
     check_options,
 )
+from fused_kl.loss import Loss
+from fused_kl.options import RunOptions
 
-BACKENDS = ("auto", "pallas", "xla", "triton")
+from . import backends
 
 
 def _kind(dtype: np.dtype) -> str:
@@ -43,41 +45,49 @@ def facts(name: str, value: object) -> ArrayFacts:
     return ArrayFacts(tuple(value.shape), dtype.name, _kind(dtype), _device(value))
 
 
-def resolve_backend(backend: str) -> str:
-    """Turn ``"auto"`` into a concrete backend and check that the chosen one can run here."""
-    on_gpu = jax.default_backend() == "gpu"
-    if backend == "auto":
-        return "pallas" if on_gpu else "xla"
-    if backend == "triton":
-        try:
-            import torch  # noqa: F401
-            import triton  # noqa: F401
-        except ImportError:
-            raise backend_unavailable(
-                backend, "it runs torch_kl's Triton kernel, which needs torch and triton (pip install 'fused-kl[all]')"
-            ) from None
-        import os
+def _concrete(a: object) -> bool:
+    return a is not None and not isinstance(a, jax.core.Tracer)
 
-        if not on_gpu and os.environ.get("TRITON_INTERPRET") != "1":
-            raise backend_unavailable(
-                backend, "the Triton kernel needs a GPU (or TRITON_INTERPRET=1, set before triton is imported)"
-            )
-    return backend
+
+def check_values(loss: Loss, labels: object, indices: object, v_total: int) -> None:
+    """Value checks of labels (hard term) and top-k indices where the values are concrete
+    (outside ``jit``); under ``jit`` a bad row's loss is NaN instead."""
+    if loss.hard and _concrete(labels) and np.size(labels):
+        lab = np.asarray(labels)
+        kept = lab[lab != loss.ignore_index]
+        if kept.size:
+            check_label_values(int(kept.min()), int(kept.max()), v_total)
+    if _concrete(indices) and np.size(indices):
+        idx = np.asarray(indices)
+        ordered = np.sort(idx.reshape(-1, idx.shape[-1]), axis=-1)
+        duplicated = bool(np.any(ordered[:, 1:] == ordered[:, :-1]))
+        check_index_values(int(ordered.min()), int(ordered.max()), duplicated, v_total)
 
 
 def validate(
-    x: object, weight: object, target: object, labels: object, bias: object, **options: object
-) -> tuple[Shapes, Options]:
-    """Check every argument; return the problem's sizes and the options, backend resolved."""
-    accum = options.pop("accum_dtype")
-    if accum is not None:
+    arrays: dict[str, object], vocab_shards: int = 1, *, accum_dtype: object, with_teacher: bool = True,
+    single_device: bool = True, **options: object
+) -> tuple[Shapes, Loss, RunOptions]:
+    """Check every argument; return the problem's sizes, the loss and the run options.
+    ``vocab_shards`` is the number of vocabulary slices ``weight`` is one of."""
+    if accum_dtype is not None:
         try:
-            accum = np.dtype(accum).name
+            accum_dtype = np.dtype(accum_dtype).name
         except TypeError:
-            raise TypeError(f"accum_dtype: expected None or a dtype, got {type(accum).__name__} {accum!r}") from None
-    opts = check_options(**options, accum_dtype=accum, backends=BACKENDS)
-    shapes = check_array_args(facts, x, weight, target, labels, bias)
-    if labels is not None and not jax.config.jax_enable_x64:
+            raise TypeError(
+                f"accum_dtype: expected None or a dtype, got {type(accum_dtype).__name__} {accum_dtype!r}"
+            ) from None
+    backend = options.pop("backend")
+    loss, run = check_options(**options, accum_dtype=accum_dtype, with_teacher=with_teacher)  # type: ignore[arg-type]
+    chosen = backends.resolve(backend)
+    weight = arrays.get("weight")
+    v_total = weight.shape[0] * vocab_shards if hasattr(weight, "shape") and len(weight.shape) == 2 else None
+    shapes = check_array_args(facts, loss, v_total, **arrays)
+    if chosen.single_device and not single_device:
+        raise ValueError(f"backend: {backend!r} runs on one device; mesh, batch_axis and vocab_axis need "
+                         "'pallas' or 'xla'")
+    if arrays.get("labels") is not None and not jax.config.jax_enable_x64:
         # Else the comparison with the labels overflows inside the jitted program.
-        check_int32_ignore_index(opts.ignore_index, "JAX's labels are int32 without jax_enable_x64")
-    return shapes, dataclasses.replace(opts, backend=resolve_backend(opts.backend))
+        check_int32_ignore_index(loss.ignore_index, "JAX's labels are int32 without jax_enable_x64")
+    check_values(loss, arrays.get("labels"), arrays.get("target_indices"), shapes.v * vocab_shards)
+    return shapes, loss, dataclasses.replace(run, backend=chosen.name)

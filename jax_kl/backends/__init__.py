@@ -1,0 +1,87 @@
+"""The backends of ``jax_kl``, named for the kernel they run: the one registry.
+
+``"auto"`` picks the first backend of ``AUTO_ORDER`` that can run here. ``"pallas"`` is the
+Pallas kernels lowered through Triton; ``"pallas_triton"`` is kept as an alias for it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
+
+import jax
+
+from fused_kl.checks import backend_unavailable, unknown_backend
+
+
+def _on_gpu() -> bool:
+    return jax.default_backend() == "gpu"
+
+
+def _torch_triton_missing() -> str | None:
+    try:
+        import torch  # noqa: F401
+        import triton  # noqa: F401
+    except ImportError:
+        return "it runs torch_kl's Triton kernels, which need torch and triton (pip install 'fused-kl[all]')"
+    if not _on_gpu() and os.environ.get("TRITON_INTERPRET") != "1":
+        return "the Triton kernels need a GPU (or TRITON_INTERPRET=1, set before triton is imported)"
+    return None
+
+
+@dataclass(frozen=True)
+class Backend:
+    """``phases``: module of the row phases the chunk driver runs, or None for a backend that
+    brings its own driver (the bridge); ``missing()`` says why it cannot run here, or None."""
+
+    name: str
+    runs: str
+    missing: Callable[[], str | None]
+    phases: str | None
+    single_device: bool = False
+
+
+REGISTRY = {
+    b.name: b
+    for b in (
+        Backend("pallas", "the Pallas row kernels lowered through Triton, chunked (interpreted on CPU)",
+                lambda: None, "pallas_triton"),
+        Backend("xla", "the same chunked algorithm in plain jax.numpy", lambda: None, "xla_phases"),
+        Backend("triton", "torch_kl's Triton kernels through DLPack, under jax.jit and jax.grad",
+                _torch_triton_missing, None, True),
+    )
+}
+ALIASES = {"pallas_triton": "pallas"}
+AUTO_ORDER = ("pallas", "xla")
+NAMES = ("auto", *REGISTRY, *ALIASES)
+
+
+def resolve(name: object) -> Backend:
+    """The backend a ``backend=`` argument names, checked to run here."""
+    if name not in NAMES:
+        raise unknown_backend(name, NAMES)
+    if name == "auto":
+        return REGISTRY["pallas" if _on_gpu() else "xla"]
+    backend = REGISTRY[ALIASES.get(name, name)]  # type: ignore[arg-type]
+    if (why := backend.missing()) is not None:
+        raise backend_unavailable(str(name), why)
+    return backend
+
+
+def phases_of(name: str) -> ModuleType:
+    """The row-phase module of a chunked backend, imported when first asked for."""
+    return importlib.import_module(f"{__name__}.{REGISTRY[name].phases}")
+
+
+def compute_of(name: str) -> Callable:
+    """The function that computes loss and gradients for a backend."""
+    if REGISTRY[name].phases is None:
+        from .triton_bridge import jax_through_triton
+
+        return jax_through_triton
+    from ..driver import forward
+
+    return forward
