@@ -42,8 +42,11 @@ def facts(name: str, value: object) -> ArrayFacts:
 
 
 def _concrete() -> bool:
-    """Values can be read on the host (eager mode, not while ``torch.compile`` traces)."""
-    return not torch.compiler.is_compiling()
+    """Values can be read on the host: eager mode, not while ``torch.compile`` traces nor while
+    a CUDA graph is captured."""
+    if torch.compiler.is_compiling():
+        return False
+    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
 def check_values(loss: Loss, labels: torch.Tensor | None, indices: torch.Tensor | None, v_total: int) -> None:

@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import importlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -76,9 +75,25 @@ def resolve(name: object, device: torch.device) -> Backend:
     return backend
 
 
+def _triton_phases() -> ModuleType:
+    from . import triton_phases
+
+    return triton_phases
+
+
+def _torch_phases() -> ModuleType:
+    from . import torch_phases
+
+    return torch_phases
+
+
+# Plain import statements, not importlib: torch.compile traces through them.
+_PHASES = {"triton_phases": _triton_phases, "torch_phases": _torch_phases}
+
+
 def phases_of(name: str) -> ModuleType:
     """The row-phase module of a chunked backend, imported when first asked for."""
-    return importlib.import_module(f"{__name__}.{REGISTRY[name].phases}")
+    return _PHASES[REGISTRY[name].phases]()  # type: ignore[index]
 
 
 def compute_of(name: str) -> Callable:
