@@ -18,9 +18,11 @@ def _scale_(grad: torch.Tensor, g: torch.Tensor, backend: str) -> torch.Tensor:
     """``grad *= g`` in place, in float32 and rounded once (as JAX's backward does).
 
     Where Triton runs (CUDA, or the Triton backend under the interpreter) a contiguous
-    gradient goes through ``rescale``, which skips a unit ``g`` on the device.
+    gradient goes through ``rescale``, which skips a unit ``g`` on the device. Not under
+    ``torch.compile``: Inductor handed that kernel a zero upstream gradient (seen on the H200,
+    torch 2.11), and there its own pointwise multiply costs the same pass.
     """
-    if grad.is_contiguous() and (backend == "triton" or grad.is_cuda):
+    if grad.is_contiguous() and (backend == "triton" or grad.is_cuda) and not torch.compiler.is_compiling():
         from .backends.rescale import scale_
 
         return scale_(grad, g)
