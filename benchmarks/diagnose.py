@@ -2,7 +2,7 @@
 chunk at several tile shapes, and ``torch_kl`` at several chunk sizes, each as a ratio to the
 three-GEMM floor timed just before and after it (the card's clock drifts with its temperature).
 
-    XLA_PYTHON_CLIENT_PREALLOCATE=false python benchmarks/diagnose.py
+    XLA_PYTHON_CLIENT_PREALLOCATE=false python -m benchmarks.diagnose   # from the repository root
 """
 
 from __future__ import annotations
@@ -11,9 +11,10 @@ import torch
 import triton
 
 import torch_kl
-from fused_kl.contract import Options
+from fused_kl import rowmath
+from fused_kl.loss import Loss, Teacher
 from fused_kl.plan import plan_chunks
-from torch_kl import kernel
+from torch_kl.backends import phases_of
 
 N, H, V = 8192, 4096, 128256
 
@@ -40,11 +41,22 @@ def main() -> None:
 
     print(f"floor (3 GEMMs, N={N}): {median_ms(floor):.2f} ms")
     rows = plan_chunks(N, V, 2, None).chunk_rows
-    opts = Options("batchmean", -100, 1.0, 1e-10, "probs", 1.0, None, None, "triton")
-    loss = torch.empty(N, device="cuda")
-    scale = torch.ones(2, device="cuda")
+    # The row phases of the forward KL on one chunk (stats, then dL/dz over the logits), as the
+    # chunk driver runs them; the per-row coefficients between the two are computed once.
+    phases = phases_of("triton")
+    loss = Loss(teacher=Teacher("probs", 1.0))
+    zc, tc = z[:rows], t[:rows]
+    keep = torch.ones(rows, dtype=torch.bool, device="cuda")
+    weights = rowmath.scales(keep.sum(dtype=torch.float32), loss, V, False, torch)
+    stats = phases.stats(zc, tc, None, loss, (16, 128))
+    coefs = rowmath.coefficients(stats, keep, None, None, weights, loss, torch)
+
+    def row_phases(tile: tuple[int, int]) -> None:
+        phases.stats(zc, tc, None, loss, tile)
+        phases.finish(zc, tc, None, coefs, loss, V, tile, True)
+
     for tile in ((16, 128), (32, 128), (16, 256)):
-        ms = median_ms(lambda tl=tile: kernel.kl_rows(z[:rows], t, None, scale, loss, 0, opts, tl, True))
+        ms = median_ms(lambda tl=tile: row_phases(tl))
         moved = rows * V * 2 * 5  # z read twice, target read twice, dL/dz written once
         print(f"row kernel, {rows} rows, tile {tile}: {ms:.3f} ms = {moved / ms / 1e9:.2f} TB/s")
     xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()

@@ -1,91 +1,34 @@
-"""The implementations that ``python -m fused_kl bench`` compares, and the inputs they share.
+"""The implementations that ``python -m benchmarks.bench`` compares.
 
-Each implementation is a factory: given one shape's :class:`Inputs` it returns a
-:class:`Prepared` whose ``step()`` runs forward and backward once and returns
-``(grad_x, grad_weight)`` in its own framework. Packages are imported only when a factory
-runs, so a missing one (or a compile error) costs that row alone.
+Each implementation is a factory: given one shape's :class:`~benchmarks.modes.Inputs` it returns
+a :class:`Prepared` whose ``step()`` runs forward and backward once and returns
+``(grad_x, grad_weight)`` in its own framework. Packages are imported only when a factory runs,
+so a missing one (or a compile error) costs that row alone; a factory raises :class:`Skip` where
+it has no version of the mode.
+
+The anchors: the GEMM floor, the unfused loss (eager and ``torch.compile``, and jnp under XLA
+where written), and Liger's fused losses where one computes the mode's loss. The library: one
+row per backend of ``torch_kl.backends.REGISTRY`` and of ``jax_kl.backends.REGISTRY``, plus
+``torch_kl``'s default backend with fp32 accumulation and with the low-memory chunk size.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
+import importlib
 from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-# Rows of the teacher's logits drawn at once: bounds the fp32 temporaries of building a target.
-_TARGET_ROWS = 2048
-
-LossFn = Callable[[Any, Any, Any], Any]
+from . import unfused
+from .modes import Inputs, Mode
+from .unfused import LossFn
 
 
 class Skip(Exception):
-    """An implementation that cannot run here; the message says why."""
-
-
-@dataclasses.dataclass
-class Inputs:
-    """One shape's bf16 inputs, made once and shared by every implementation."""
-
-    x: torch.Tensor  # [N, H]
-    weight: torch.Tensor  # [V, H]
-    target: torch.Tensor  # [N, V] teacher probabilities
-
-    @functools.cached_property
-    def jax(self) -> tuple[Any, Any, Any]:
-        """The same buffers as JAX arrays, through DLPack: no copy, no second target in memory."""
-        from jax import dlpack
-
-        return tuple(dlpack.from_dlpack(t) for t in (self.x, self.weight, self.target))
-
-    @property
-    def grad_bytes(self) -> int:
-        """Bytes of ``grad_x`` and ``grad_weight`` together, in the inputs' dtype."""
-        return (self.x.numel() + self.weight.numel()) * self.x.element_size()
-
-
-def make_weight(h: int, v: int, device: torch.device) -> torch.Tensor:
-    """An LM head ``[V, H]`` in bf16, ``N(0, 0.02²)`` as in a freshly initialised model."""
-    gen = torch.Generator(device).manual_seed(0)
-    return torch.randn(v, h, generator=gen, device=device, dtype=torch.bfloat16).mul_(0.02)
-
-
-def make_inputs(weight: torch.Tensor, n: int) -> Inputs:
-    """``x ~ N(0, 1)`` and a bf16 teacher distribution (softmax of random logits) for ``n`` rows."""
-    v, h = weight.shape
-    gen = torch.Generator(weight.device).manual_seed(n)
-    x = torch.randn(n, h, generator=gen, device=weight.device, dtype=torch.bfloat16)
-    target = torch.empty(n, v, device=weight.device, dtype=torch.bfloat16)
-    for rows in target.split(_TARGET_ROWS):
-        rows.copy_(torch.randn(rows.shape, generator=gen, device=weight.device).softmax(-1))
-    return Inputs(x, weight, target)
-
-
-def unfused_loss(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """The textbook loss: whole logits, fp32 log-softmax, ``KLDivLoss(reduction="batchmean")``."""
-    log_q = torch.log_softmax((x @ weight.T).float(), dim=-1)
-    return F.kl_div(log_q, target, reduction="batchmean")
-
-
-def unfused_loss_jax(x: Any, weight: Any, target: Any) -> Any:
-    """:func:`unfused_loss` in jnp, for XLA to fuse as it can."""
-    import jax
-    import jax.numpy as jnp
-
-    log_q = jax.nn.log_softmax((x @ weight.T).astype(jnp.float32), axis=-1)
-    p = target.astype(jnp.float32)
-    return jnp.sum(jax.scipy.special.xlogy(p, p) - p * log_q) / x.shape[0]
-
-
-def reference_grads(inputs: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 ``(grad_x, grad_weight)`` of :func:`unfused_loss` on the bf16 inputs upcast (no TF32)."""
-    x = inputs.x.float().requires_grad_()
-    w = inputs.weight.float().requires_grad_()
-    return torch.autograd.grad(unfused_loss(x, w, inputs.target), (x, w))
+    """An implementation that cannot run here, or has no version of the mode; the message says why."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +38,7 @@ class Prepared:
     step: Callable[[], tuple[Any, Any]]
     # Compiled JAX programs the step runs: their memory is invisible to torch's allocator.
     programs: tuple[Any, ...] = ()
+    note: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,109 +55,130 @@ class Impl:
 
     def estimate_bytes(self, inputs: Inputs) -> int:
         """Rough peak beyond the inputs: logit-sized temporaries plus gradients and their accumulators."""
-        n, v = inputs.target.shape
-        return n * v * self.bytes_per_logit + 2 * inputs.grad_bytes
+        return inputs.n * inputs.v * self.bytes_per_logit + 2 * inputs.grad_bytes
 
 
-def _floor(inputs: Inputs) -> Prepared:
-    """The three GEMMs alone, into a preallocated ``[N, V]`` buffer: no kernel can beat this."""
+def floor(inputs: Inputs) -> Prepared:
+    """The head's three GEMMs alone, into a preallocated ``[N, V]`` buffer (and the teacher head's
+    GEMM first, where the teacher is a head): no kernel can beat this."""
     x, w = inputs.x, inputs.weight
-    z = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
+    z = torch.empty(inputs.n, inputs.v, dtype=x.dtype, device=x.device)
+    teacher = inputs.arrays.get("teacher_weight")
+    zt = None if teacher is None else torch.empty_like(z)
 
     def step() -> tuple[torch.Tensor, torch.Tensor]:
+        if zt is not None:
+            torch.mm(inputs.arrays["target"], teacher.T, out=zt)
         torch.mm(x, w.T, out=z)
         return z @ w, z.T @ x
 
     return Prepared(step)
 
 
-def _autograd(get_loss: Callable[[], LossFn]) -> Callable[[Inputs], Prepared]:
-    """A torch loss under ``torch.autograd.grad``; ``get_loss`` runs when the row starts."""
+def _autograd(get_loss: Callable[[Mode], LossFn]) -> Callable[[Inputs], Prepared]:
+    """A torch loss under ``torch.autograd.grad``; ``get_loss(mode)`` runs when the row starts."""
 
     def make(inputs: Inputs) -> Prepared:
-        loss = get_loss()
+        loss = get_loss(inputs.mode)
         x = inputs.x.detach().requires_grad_()
         w = inputs.weight.detach().requires_grad_()
-        return Prepared(lambda: torch.autograd.grad(loss(x, w, inputs.target), (x, w)))
+        return Prepared(lambda: torch.autograd.grad(loss(x, w, inputs.arrays), (x, w)))
 
     return make
 
 
-def _jitted(get_loss: Callable[[], LossFn]) -> Callable[[Inputs], Prepared]:
-    """A JAX loss under ``jit(value_and_grad)``, compiled once per shape, the target an argument."""
+def _jitted(get_loss: Callable[[Mode], LossFn]) -> Callable[[Inputs], Prepared]:
+    """A JAX loss under ``jit(value_and_grad)``, compiled once per shape, the arrays arguments."""
 
     def make(inputs: Inputs) -> Prepared:
         import jax
 
+        loss = get_loss(inputs.mode)
         args = inputs.jax
-        compiled = jax.jit(jax.value_and_grad(get_loss(), argnums=(0, 1))).lower(*args).compile()
+        compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(*args).compile()
         return Prepared(lambda: compiled(*args)[1], programs=(compiled,))
 
     return make
 
 
+def _unfused(table: dict[str, LossFn], mode: Mode) -> LossFn:
+    if mode.name not in table:
+        raise Skip(f"no unfused version of mode {mode.name!r} here")
+    return table[mode.name]
+
+
 @functools.cache
-def _compiled_unfused() -> LossFn:
-    # One wrapper for every shape, so dynamo's shape cache and recompile limit are shared.
-    return torch.compile(unfused_loss)
+def _compiled_unfused(mode_name: str) -> LossFn:
+    # One wrapper per mode for every shape, so dynamo's shape cache and recompile limit are shared.
+    return torch.compile(unfused.TORCH[mode_name])
 
 
-def _liger(accum_dtype: torch.dtype | None = None) -> LossFn:
+def _liger(mode: Mode, accum_dtype: torch.dtype | None = None) -> LossFn:
+    """Liger's fused loss of the mode, where it has one: the KL against probabilities, the JSD
+    family against a teacher head (``jsd_beta`` 0: forward KL), and the cross-entropy."""
     try:
-        from liger_kernel.transformers import LigerFusedLinearKLDivLoss
+        import liger_kernel.transformers as liger
     except ImportError as e:
         raise Skip(f"liger_kernel is not importable ({e})") from None
-    return LigerFusedLinearKLDivLoss(accum_dtype=accum_dtype)
+    if mode.name == "kl":
+        kl = liger.LigerFusedLinearKLDivLoss(accum_dtype=accum_dtype)
+        return lambda x, w, a: kl(x, w, a["target"])
+    if mode.name == "hidden":
+        jsd = liger.LigerFusedLinearJSD(jsd_beta=mode.beta, accum_dtype=accum_dtype)
+        return lambda x, w, a: jsd(x, w, a["target"], a["teacher_weight"], None)
+    if mode.name == "ce":
+        ce = liger.LigerFusedLinearCrossEntropyLoss(accum_dtype=accum_dtype)
+        return lambda x, w, a: ce(w, x, a["labels"])
+    raise Skip(f"Liger has no fused loss for mode {mode.name!r}")
 
 
-def _torch_kl(**options: Any) -> LossFn:
-    from torch_kl import fused_linear_kl_div
-
-    return functools.partial(fused_linear_kl_div, **options)
-
-
-def _jax_kl(**options: Any) -> LossFn:
-    from jax_kl import fused_linear_kl_div
-
-    return functools.partial(fused_linear_kl_div, **options)
+def _fused(package: str, mode: Mode, **options: Any) -> LossFn:
+    """``fused_linear_kl_div`` (or ``fused_linear_cross_entropy`` for ``ce``) of ``torch_kl`` or ``jax_kl``."""
+    api = importlib.import_module(package)
+    if mode.teacher is None:
+        return lambda x, w, a: api.fused_linear_cross_entropy(x, w, a["labels"], **options)
+    return lambda x, w, a: api.fused_linear_kl_div(x, w, **a, **mode.options, **options)
 
 
-def _bridge_program(inputs: Inputs) -> Any:
-    """The JAX program that torch_kl's backend ``"jax"`` runs for these inputs, compiled.
-
-    Its gradients and temporaries live in JAX's allocator, where torch's peak counter cannot
-    see them; this program's memory analysis can.
-    """
-    from fused_kl import bridge
-    from torch_kl import fused_linear_kl_div
-    from torch_kl.validate import validate
-
-    # The API's own defaults: every keyword-only parameter but the bias is an option.
-    params = inspect.signature(fused_linear_kl_div).parameters.values()
-    options = {p.name: p.default for p in params if p.kind is p.KEYWORD_ONLY and p.name != "bias"}
-    _, opts = validate(inputs.x, inputs.weight, inputs.target, None, None, **options | {"backend": "jax"})
-    forward = bridge._jitted_jax_forward()
-    pallas = dataclasses.replace(opts, backend="pallas")
-    return forward.lower(*inputs.jax, None, None, opts=pallas, with_grads=True).compile()
+def _registry(package: str) -> tuple[str, ...]:
+    """The backend names of a package's registry; none where its framework is not installed."""
+    try:
+        return tuple(importlib.import_module(f"{package}.backends").REGISTRY)
+    except ImportError:
+        return ()
 
 
-def _torch_through_jax(inputs: Inputs) -> Prepared:
-    prepared = _autograd(functools.partial(_torch_kl, backend="jax"))(inputs)
-    return dataclasses.replace(prepared, programs=(_bridge_program(inputs),))
+def _torch_kl(backend: str) -> Impl:
+    make = _autograd(lambda mode: _fused("torch_kl", mode, backend=backend))
+    if backend != "pallas":
+        return Impl("torch", make)
+
+    def bridged(inputs: Inputs) -> Prepared:
+        note = "peak: torch's allocator only (the JAX side of the bridge is not seen)"
+        return dataclasses.replace(make(inputs), note=note)
+
+    return Impl("torch", bridged)
 
 
-IMPLS: dict[str, Impl] = {
-    "floor": Impl("torch", _floor, bytes_per_logit=2, gradients=False),
-    "eager": Impl("torch", _autograd(lambda: unfused_loss), bytes_per_logit=20),
-    "compile": Impl("torch", _autograd(_compiled_unfused), bytes_per_logit=10, gpu_only=True),
-    "liger": Impl("torch", _autograd(_liger), gpu_only=True),
-    "liger-fp32": Impl("torch", _autograd(functools.partial(_liger, torch.float32)), gpu_only=True),
-    "xla": Impl("jax", _jitted(lambda: unfused_loss_jax), bytes_per_logit=16),
-    "torch_kl": Impl("torch", _autograd(_torch_kl)),
-    "torch_kl-fp32": Impl("torch", _autograd(functools.partial(_torch_kl, accum_dtype=torch.float32))),
-    # The documented low-memory setting.
-    "torch_kl-lowmem": Impl("torch", _autograd(functools.partial(_torch_kl, chunk_size=1024))),
-    "jax_kl": Impl("jax", _jitted(functools.partial(_jax_kl, backend="pallas"))),
-    "torch→jax": Impl("torch", _torch_through_jax),
-    "jax→triton": Impl("jax", _jitted(functools.partial(_jax_kl, backend="triton"))),
-}
+def build() -> dict[str, Impl]:
+    """Every implementation, by name, the floor first (the registries are imported here)."""
+    impls = {
+        "floor": Impl("torch", floor, bytes_per_logit=2, gradients=False),
+        "eager": Impl("torch", _autograd(functools.partial(_unfused, unfused.TORCH)), bytes_per_logit=20),
+        "compile": Impl("torch", _autograd(lambda mode: _compiled_unfused(mode.name)), bytes_per_logit=10,
+                        gpu_only=True),
+        "liger": Impl("torch", _autograd(_liger), gpu_only=True),
+        "liger-fp32": Impl("torch", _autograd(functools.partial(_liger, accum_dtype=torch.float32)), gpu_only=True),
+        "xla": Impl("jax", _jitted(functools.partial(_unfused, unfused.JAX)), bytes_per_logit=16),
+    }
+    impls |= {f"torch_kl/{name}": _torch_kl(name) for name in _registry("torch_kl")}
+    impls |= {
+        "torch_kl-fp32": Impl("torch", _autograd(lambda mode: _fused("torch_kl", mode, accum_dtype=torch.float32))),
+        # The documented low-memory setting.
+        "torch_kl-lowmem": Impl("torch", _autograd(lambda mode: _fused("torch_kl", mode, chunk_size=1024))),
+    }
+    impls |= {
+        f"jax_kl/{name}": Impl("jax", _jitted(functools.partial(_fused, "jax_kl", backend=name)))
+        for name in _registry("jax_kl")
+    }
+    return impls

@@ -1,7 +1,8 @@
-"""Framework-neutral core shared by ``torch_kl`` and ``jax_kl``.
+"""The framework-free core shared by ``torch_kl`` and ``jax_kl``.
 
-It holds what must be identical in both frameworks: the argument contract and its
-error messages (``contract``), the chunk plan and the reduction scale (``plan``), the
-DLPack bridge between the two (``bridge``), and the command line (``cli``). Nothing here
-imports torch or JAX at module level.
+It holds what must be identical in both frameworks: the loss description (``loss``), the run
+options (``options``), the argument checks and their error messages (``checks``), the chunk plan
+(``plan``), the shared elementwise terms (``terms``) and per-row math (``rowmath``), and the
+float64 reference (``reference``). Nothing here imports torch or JAX at module level. The
+command line lives in ``fused_kl_cli``, the benchmark in ``benchmarks``.
 """

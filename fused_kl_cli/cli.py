@@ -1,10 +1,12 @@
-"""The ``fused-kl`` command line (also ``python -m fused_kl``).
+"""The ``fused-kl`` command line (also ``python -m fused_kl_cli``).
 
 Subcommands:
 
 * ``demo``: a small distillation run with both frameworks and both bridges; their loss curves must agree.
-* ``check``: every backend available here against a float64 NumPy reference.
-* ``bench``: benchmarks, handled by ``fused_kl.bench``.
+* ``check``: every backend of both registries against the float64 reference (``fused_kl.reference``).
+
+The benchmark is not a subcommand: ``python -m benchmarks.bench`` from the repository root.
+Importing this module sets nothing; :func:`main` prepares the environment before a command runs.
 """
 
 from __future__ import annotations
@@ -14,13 +16,6 @@ import os
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
-
-# Both are read when triton / JAX start, so they are set before anything imports them. Without
-# an NVIDIA GPU the Triton kernel can only run in its interpreter; and torch and JAX share this
-# process, so JAX must not take most of the GPU's memory up front.
-if shutil.which("nvidia-smi") is None:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 
 def _positive_int(text: str) -> int:
@@ -41,7 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
         "demo",
         help="distil a random teacher with jax_kl, torch_kl and both bridges; check that the curves agree",
         description="Train one student four ways (jax_kl, torch_kl, torch_kl→Pallas, jax_kl→Triton) "
-        "from the same start on the same batches, compare the loss curves and plot them.",
+        "from the same start on the same batches, check the first step against the float64 reference, "
+        "compare the loss curves and plot them.",
     )
     demo.add_argument("--steps", type=_positive_int, default=200, help="training steps (default: %(default)s)")
     demo.add_argument(
@@ -51,27 +47,30 @@ def build_parser() -> argparse.ArgumentParser:
 
     check = commands.add_parser(
         "check",
-        help="self-test every backend available here against a float64 reference",
-        description="Run every backend of torch_kl and jax_kl on a small problem and compare the loss "
-        "and gradients with a float64 NumPy reference. Exit code 1 if an available backend fails.",
+        help="self-test every backend available here against the float64 reference",
+        description="Run every backend of torch_kl's and jax_kl's registries on small problems and compare "
+        "the loss and gradients with fused_kl.reference (float64). Exit code 1 if an available backend fails.",
     )
-    check.add_argument("--seed", type=int, default=0, help="seed of the random problem (default: 0)")
-
-    # Its options belong to fused_kl.bench, which parses them itself (``fused-kl bench --help``).
-    commands.add_parser("bench", add_help=False, help="benchmarks (see: fused-kl bench --help)")
+    check.add_argument("--seed", type=int, default=0, help="seed of the random problems (default: 0)")
     return parser
+
+
+def prepare_environment() -> None:
+    """Set what Triton and JAX read when they start; called by :func:`main`, before either is imported.
+
+    Without an NVIDIA GPU the Triton kernels can only run in Triton's interpreter; and torch and
+    JAX share this process, so JAX must not take most of the GPU's memory up front. Values the
+    caller set already are kept.
+    """
+    if shutil.which("nvidia-smi") is None:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``fused-kl``; return the exit code."""
-    parser = build_parser()
-    args, rest = parser.parse_known_args(argv)
-    if args.command == "bench":
-        from . import bench
-
-        return bench.main(rest) or 0
-    if rest:
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    args = build_parser().parse_args(argv)
+    prepare_environment()
     if args.command == "demo":
         from . import demo
 

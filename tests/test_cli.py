@@ -1,44 +1,119 @@
-"""The command line, in-process: ``check``, a short ``demo``, and ``bench``'s pass-through."""
+"""The command line (``fused_kl_cli``: ``check``, a short ``demo``) and the benchmark's quick run."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import subprocess
 import sys
-import types
+from pathlib import Path
 
 import matplotlib.image
 import numpy as np
 import pytest
 
-import fused_kl
-from fused_kl import check, cli
+from fused_kl_cli import check, cli
 
+ROOT = Path(__file__).resolve().parents[1]
 # A line of the demo's curve table: the step, then the four runs' losses.
 CURVE_ROW = re.compile(r"\s*\d+(\s+\d+\.\d+){4}\s*")
+ENV_VARS = ("TRITON_INTERPRET", "XLA_PYTHON_CLIENT_PREALLOCATE", "JAX_PLATFORMS")
+
+
+def _registry_ids() -> list[str]:
+    from jax_kl.backends import REGISTRY as JAX
+    from torch_kl.backends import REGISTRY as TORCH
+
+    return [f"torch/{name}" for name in TORCH] + [f"jax/{name}" for name in JAX]
+
+
+def test_importing_the_cli_and_the_benchmark_changes_no_environment() -> None:
+    code = (
+        "import os, sys; before = dict(os.environ)\n"
+        "import fused_kl_cli, fused_kl_cli.cli, fused_kl_cli.check, fused_kl_cli.demo, fused_kl_cli.__main__\n"
+        "import benchmarks.bench\n"
+        "assert dict(os.environ) == before, set(os.environ.items()) ^ set(before.items())\n"
+        "assert 'jax' not in sys.modules and 'triton' not in sys.modules, 'imported at import time'\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ENV_VARS}
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, check=True, timeout=300)
+
+
+def test_main_prepares_the_environment_before_the_command_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ENV_VARS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(cli.shutil, "which", lambda cmd: None)  # no nvidia-smi: interpret Triton
+    seen = {}
+    monkeypatch.setattr(check, "main", lambda seed: seen.update({k: os.environ.get(k) for k in ENV_VARS}) or 7)
+    assert cli.main(["check", "--seed", "3"]) == 7
+    assert seen == {"TRITON_INTERPRET": "1", "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "JAX_PLATFORMS": None}
+
+
+def test_module_entry_point_lists_the_commands() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "fused_kl_cli", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert "demo" in result.stdout and "check" in result.stdout
 
 
 def test_check_passes_every_available_backend(capsys: pytest.CaptureFixture[str]) -> None:
+    ids = _registry_ids()
+    assert list(check.backends()) == ids  # both registries, nothing repeated by hand
     assert cli.main(["check"]) == 0
     out = capsys.readouterr().out
-    assert "0 failed" in out
-    for backend in check.BACKENDS:
-        assert backend in out
+    assert f"{len(ids)} passed, 0 failed, 0 skipped" in out
+    for backend in ids:
+        assert re.search(rf"^{re.escape(backend)}\s+\w+\s+pass\s", out, re.MULTILINE), backend
+    for case in check.CASES:
+        assert case.name in out
 
 
 def test_check_fails_on_a_wrong_or_broken_backend(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
-    def broken(backend: str, p: check.Problem):
+    def broken(backend: str, case: check.Case, p: check.Problem):
         raise RuntimeError("kernel crashed")
 
-    def wrong(backend: str, p: check.Problem):
-        want = check.reference(p)
-        return "cpu", {k: v * 1.01 for k, v in want.items()}
+    def wrong(backend: str, case: check.Case, p: check.Problem):
+        return "cpu", {k: v * 1.01 for k, v in check.expected(case, p).items()}
 
     monkeypatch.setattr(check, "_run_torch", broken)
     monkeypatch.setattr(check, "_run_jax", wrong)
     assert cli.main(["check"]) == 1
     out = capsys.readouterr().out
     assert "RuntimeError: kernel crashed" in out
-    assert "0 passed, 6 failed" in out
+    assert f"0 passed, {len(check.backends())} failed" in out
+
+
+def test_check_catches_a_small_error_in_one_case(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """Exact everywhere but the top-k case's grad_weight, 1e-4 off: above the tolerance, so a failure."""
+
+    def nearly(backend: str, case: check.Case, p: check.Problem):
+        want = check.expected(case, p)
+        if case.name == "topk":
+            want["grad_weight"] = want["grad_weight"] * (1 + 1e-4)
+        return "cpu", want
+
+    monkeypatch.setattr(check, "_run_torch", nearly)
+    monkeypatch.setattr(check, "_run_jax", nearly)
+    monkeypatch.setattr(check, "backends", lambda: {"torch/one": "a fake", "jax/other": "another"})
+    assert cli.main(["check"]) == 1
+    out = capsys.readouterr().out
+    assert "0 passed, 2 failed" in out
+    assert out.count("topk: error 1.0") == 2, out
+
+
+def test_check_skips_an_unavailable_backend(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    from fused_kl.checks import backend_unavailable
+
+    def unavailable(backend: str, case: check.Case, p: check.Problem):
+        raise backend_unavailable(backend, "no such device here")
+
+    monkeypatch.setattr(check, "_run_torch", unavailable)
+    monkeypatch.setattr(check, "backends", lambda: {"torch/gone": "a fake"})
+    assert cli.main(["check"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^torch/gone\s+-\s+skipped\s.*no such device here", out, re.MULTILINE), out
 
 
 def test_demo_curves_agree_and_plot(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -46,40 +121,56 @@ def test_demo_curves_agree_and_plot(tmp_path, capsys: pytest.CaptureFixture[str]
     assert cli.main(["demo", "--steps", "20", "--out", str(png)]) == 0
     image = matplotlib.image.imread(png)  # decodes, so a valid PNG
     assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n") and image.ndim == 3
-    rows = np.array([line.split() for line in capsys.readouterr().out.splitlines() if CURVE_ROW.fullmatch(line)])
+    out = capsys.readouterr().out
+    assert "first step against the float64 reference" in out
+    rows = np.array([line.split() for line in out.splitlines() if CURVE_ROW.fullmatch(line)])
     assert rows[:, 0].astype(int).tolist() == [1, 20]
     curves = rows[:, 1:].astype(float)
     np.testing.assert_allclose(curves, np.repeat(curves[:, :1], 4, axis=1), rtol=1e-3)
 
 
-def test_bench_gets_the_remaining_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
-    seen = []
-    fake = types.ModuleType("fused_kl.bench")
-    fake.main = lambda argv: seen.append(argv) or 3
-    monkeypatch.setitem(sys.modules, "fused_kl.bench", fake)
-    monkeypatch.setattr(fused_kl, "bench", fake, raising=False)
-    assert cli.main(["bench", "--rows", "8", "extra", "--help"]) == 3
-    assert seen == [["--rows", "8", "extra", "--help"]]
-
-
-@pytest.mark.parametrize("argv", [["demo", "--steps", "0"], ["demo", "--stepz", "3"], ["check", "x"], []])
+@pytest.mark.parametrize("argv", [["demo", "--steps", "0"], ["demo", "--stepz", "3"], ["check", "x"], ["bench"], []])
 def test_bad_arguments_exit_2(argv: list[str]) -> None:
     with pytest.raises(SystemExit) as e:
         cli.main(argv)
     assert e.value.code == 2
 
 
-def test_bench_quick_writes_table_json_and_plot(tmp_path) -> None:
-    import json
+def test_bench_lists_every_registry_backend() -> None:
+    from benchmarks.impls import build
 
-    from fused_kl import bench
+    names = list(build())
+    assert names[0] == "floor"
+    library = [n.replace("torch_kl/", "torch/").replace("jax_kl/", "jax/") for n in names if "_kl/" in n]
+    assert library == _registry_ids()
 
-    argv = ["--quick", "--heads", "32x256", "--n", "64", "--impls", "floor", "torch_kl", "jax_kl"]
+
+@pytest.mark.parametrize("mode", ["kl", "hidden", "topk", "ce"])
+def test_bench_quick_writes_table_json_and_plot(tmp_path, mode: str) -> None:
+    from benchmarks import bench, unfused
+
+    impls = ["floor", "eager", "xla", "torch_kl/torch", "jax_kl/xla"]
+    argv = ["--quick", "--mode", mode, "--heads", "32x256", "--n", "64", "--impls", *impls]
     assert bench.main([*argv, "--out-dir", str(tmp_path)]) == 0
-    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
-    assert [r["impl"] for r in rows] == ["floor", "torch_kl", "jax_kl"]
-    assert all(r["status"] == "ok" and r["ms"] > 0 for r in rows), rows
-    assert rows[0]["x_floor"] == 1.0 and all(r["x_floor"] > 0 for r in rows)
-    assert all(r["err_grad_weight"] < 1e-2 for r in rows[1:]), rows
-    assert "torch_kl" in (tmp_path / "results.md").read_text()
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert result["meta"]["config"]["mode"] == mode
+    rows = {r["impl"]: r for r in result["rows"]}
+    assert list(rows) == impls
+    measured = [r for name, r in rows.items() if name != "xla" or mode in unfused.JAX]
+    assert all(r["status"] == "ok" and r["ms"] > 0 and r["x_floor"] > 0 for r in measured), measured
+    if mode not in unfused.JAX:
+        assert rows["xla"]["status"].startswith("skipped")
+    assert rows["floor"]["x_floor"] == 1.0 and rows["floor"]["err_grad_weight"] is None
+    # bf16 gradients against the float64 reference: ~1e-3; a wrong loss would be off by far more.
+    for r in measured[1:]:
+        assert r["err_grad_weight"] < 1e-2 and r["err_grad_x"] < 1e-2, r
+    assert "torch_kl/torch" in (tmp_path / "results.md").read_text()
     assert matplotlib.image.imread(tmp_path / "bench.png").shape[0] > 100
+
+
+def test_bench_module_runs_from_the_repository_root() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.bench", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    assert "--mode" in result.stdout and "llama3-8b" in result.stdout
