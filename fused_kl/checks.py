@@ -109,8 +109,10 @@ def check_options(
     temperature = _positive("temperature", temperature)
     eps = _number("eps", eps, lambda v: 0 < v < 1, "a number in (0, 1)")
     beta = _number("beta", beta, lambda v: 0 <= v <= 1, "a finite number in [0, 1]")
-    weights = [_number(n, w, lambda v: v >= 0, "a finite number >= 0") for n, w in
-               (("weight_soft_loss", weight_soft_loss), ("weight_hard_loss", weight_hard_loss))]
+    weights = [
+        _number(n, w, lambda v: v >= 0, "a finite number >= 0")
+        for n, w in (("weight_soft_loss", weight_soft_loss), ("weight_hard_loss", weight_hard_loss))
+    ]
     label_smoothing = _number("label_smoothing", label_smoothing, lambda v: 0 <= v < 1, "a number in [0, 1)")
     target_format = _one_of("target_format", target_format, TARGET_FORMATS)
     topk_tail = _one_of("topk_tail", topk_tail, TOPK_TAILS)
@@ -152,8 +154,9 @@ def check_options(
         softcap=_optional_positive("softcap", softcap),
         teacher=teacher if with_teacher else None,
     )
-    run = RunOptions(accum_dtype=accum_dtype, chunk_size=None if chunk_size is None else int(chunk_size),
-                     backend=backend)
+    run = RunOptions(
+        accum_dtype=accum_dtype, chunk_size=None if chunk_size is None else int(chunk_size), backend=backend
+    )
     return loss, run
 
 
@@ -187,7 +190,7 @@ def check_arrays(loss: Loss, arrays: dict[str, ArrayFacts | None], v_total: int 
     """Check kinds, dtypes, ranks, sizes and devices of the arrays (``None``: not given);
     return ``N, H, V`` and the teacher's last size. ``v_total`` is the whole vocabulary where
     ``weight`` holds a slice of it (vocabulary sharding; top-k indices are global)."""
-    x, weight, target, labels, bias = (arrays.get(k) for k in ("x", "weight", "target", "labels", "bias"))
+    x, weight, labels, bias = (arrays.get(k) for k in ("x", "weight", "labels", "bias"))
     assert x is not None and weight is not None
     for name, facts in (("x", x), ("weight", weight)):
         if facts.kind != "float" or facts.dtype not in FLOAT_DTYPES:
@@ -234,14 +237,19 @@ def _check_teacher(
         raise ValueError("target: required, got None")
     _float_array("target", target, None)
     _same_device("target", target, x)
-    for name, given, used in (("teacher_weight", tw, "hidden"), ("teacher_bias", tb, "hidden"),
-                              ("target_indices", idx, "topk_log_probs")):
+    for name, given, used in (
+        ("teacher_weight", tw, "hidden"),
+        ("teacher_bias", tb, "hidden"),
+        ("target_indices", idx, "topk_log_probs"),
+    ):
         if given is not None and fmt != used:
             raise ValueError(f"{name}: only used with target_format={used!r}, got one with {fmt!r}")
     if fmt == "hidden":
         if len(target.shape) != len(lead) + 1 or target.shape[:-1] != lead:
-            raise ValueError(f"target: expected shape {_dims((*lead, 'Ht'))} (teacher hidden states), "  # type: ignore[arg-type]
-                             f"got {_shape(target)}")
+            raise ValueError(
+                f"target: expected shape {_dims((*lead, 'Ht'))} (teacher hidden states), "  # type: ignore[arg-type]
+                f"got {_shape(target)}"
+            )
         if tw is None:
             raise ValueError("teacher_weight: required with target_format='hidden' (the teacher's head [V, Ht])")
         _float_array("teacher_weight", tw, target.dtype, "target")
@@ -260,8 +268,10 @@ def _check_teacher(
         return target.shape[-1]
     if fmt == "topk_log_probs":
         if len(target.shape) != len(lead) + 1 or target.shape[:-1] != lead:
-            raise ValueError(f"target: expected shape {_dims((*lead, 'k'))} (top-k log-probs), "  # type: ignore[arg-type]
-                             f"got {_shape(target)}")
+            raise ValueError(
+                f"target: expected shape {_dims((*lead, 'k'))} (top-k log-probs), "  # type: ignore[arg-type]
+                f"got {_shape(target)}"
+            )
         k = target.shape[-1]
         if not 1 <= k <= v_total:
             raise ValueError(f"target: expected 1 <= k <= V ({v_total}) top-k entries per row, got k = {k}")
@@ -275,8 +285,9 @@ def _check_teacher(
     return v
 
 
-def check_array_args(describe: Callable[[str, object], ArrayFacts], loss: Loss, v_total: int | None = None,
-                     **arrays: object) -> Shapes:
+def check_array_args(
+    describe: Callable[[str, object], ArrayFacts], loss: Loss, v_total: int | None = None, **arrays: object
+) -> Shapes:
     """Describe each given array with the framework's ``describe`` (which raises ``TypeError``
     for a non-array) and check them together with :func:`check_arrays`."""
     facts = {name: None if value is None else describe(name, value) for name, value in arrays.items()}

@@ -67,8 +67,9 @@ def forward(
         else:
             z = (dot(xc, weight, (1, 1), jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
         t = teachers.dense_chunk(loss, teacher, start, stop, hidden)
-        g, row_loss = _rows(z, t, labels, keep, teacher, start, stop, v0, v_total, weights, loss, layout, phases,
-                            plan.tile, with_grads)
+        g, row_loss = _rows(
+            z, t, labels, keep, teacher, start, stop, v0, v_total, weights, loss, layout, phases, plan.tile, with_grads
+        )
         row_losses.append(row_loss)
         done = row_loss
         if with_grads:
@@ -104,8 +105,23 @@ def _hidden_rows(loss: Loss, teacher: TeacherArrays, start: int, stop: int) -> j
     return teacher.target[start:stop]  # type: ignore[index]
 
 
-def _rows(z, t, labels, keep, teacher, start, stop, v0, v_total, weights, loss: Loss, layout: Layout, phases, tile,
-          write_grad: bool) -> tuple[jax.Array | None, jax.Array]:
+def _rows(
+    z,
+    t,
+    labels,
+    keep,
+    teacher,
+    start,
+    stop,
+    v0,
+    v_total,
+    weights,
+    loss: Loss,
+    layout: Layout,
+    phases,
+    tile,
+    write_grad: bool,
+) -> tuple[jax.Array | None, jax.Array]:
     """The row phases of one chunk: ``(dL/dz or None, its row losses)``."""
     keep_c = keep[start:stop]
     y = None if labels is None else labels[start:stop]
@@ -122,10 +138,17 @@ def _rows(z, t, labels, keep, teacher, start, stop, v0, v_total, weights, loss: 
         local = (idx >= v0) & (idx < v0 + z.shape[1])
         at = jnp.where(local, idx - v0, 0)
         soft, topk_const, g_at = rowmath.topk(
-            jnp.take_along_axis(z, at, axis=1).astype(jnp.float32), local, teacher.target[start:stop].astype(jnp.float32),
-            idx == y[:, None] if loss.hard else False, (stats[:, 0], stats[:, 1]),
-            rowmath.row_scales(keep_c, weights, loss, jnp), loss, v_total, layout.vocab_sum, jnp,
-        )  # fmt: skip
+            jnp.take_along_axis(z, at, axis=1).astype(jnp.float32),
+            local,
+            teacher.target[start:stop].astype(jnp.float32),
+            idx == y[:, None] if loss.hard else False,
+            (stats[:, 0], stats[:, 1]),
+            rowmath.row_scales(keep_c, weights, loss, jnp),
+            loss,
+            v_total,
+            layout.vocab_sum,
+            jnp,
+        )
     coefs = rowmath.coefficients(stats, keep_c, value_sums, topk_const, weights, loss, jnp)
     g = partial = None
     if write_grad or kind == "forward":

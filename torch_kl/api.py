@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from . import compiled
 from .autograd import FusedLinearLossFunction
 from .backends import compute_of
 from .driver import Needs
@@ -40,11 +41,15 @@ def _run(arrays: dict[str, Any], layout: Layout, with_teacher: bool, options: di
     compute = compute_of(run.backend)
     with torch.autocast(x.device.type, enabled=False):
         grad_wanted = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
+        teacher = TeacherArrays(target2, tw, tb, idx2)
+        if torch.compiler.is_compiling():
+            needs = Needs(*(grad_wanted and t is not None and t.requires_grad for t in (x2, weight, bias)))
+            return compiled.apply(x2, weight, bias, teacher, labels1, loss, run, layout, needs)
         if not grad_wanted:
-            teacher = TeacherArrays(target2, tw, tb, idx2)
             return compute(x2, weight, bias, teacher, labels1, loss, run, layout, Needs())[0]
-        return FusedLinearLossFunction.apply(x2, weight, bias, target2, tw, tb, idx2, labels1, loss, run, layout,
-                                             compute)
+        return FusedLinearLossFunction.apply(
+            x2, weight, bias, target2, tw, tb, idx2, labels1, loss, run, layout, compute
+        )
 
 
 def fused_linear_kl_div(
@@ -100,14 +105,36 @@ def fused_linear_kl_div(
         The float32 scalar loss (with ``batch_group``: this rank's share). Gradients for ``x``,
         ``weight`` and ``bias`` are computed in this call and scaled by the upstream gradient.
     """
-    arrays = dict(x=x, weight=weight, target=target, labels=labels, bias=bias, teacher_weight=teacher_weight,
-                  teacher_bias=teacher_bias, target_indices=target_indices)
-    options = dict(reduction=reduction, ignore_index=ignore_index, temperature=temperature, eps=eps,
-                   target_format=target_format, teacher_temperature=teacher_temperature, accum_dtype=accum_dtype,
-                   chunk_size=chunk_size, backend=backend, beta=beta, weight_hard_loss=weight_hard_loss,
-                   weight_soft_loss=weight_soft_loss, label_smoothing=label_smoothing, logit_scale=logit_scale,
-                   softcap=softcap, topk_tail=topk_tail, teacher_logit_scale=teacher_logit_scale,
-                   teacher_softcap=teacher_softcap)
+    arrays = dict(
+        x=x,
+        weight=weight,
+        target=target,
+        labels=labels,
+        bias=bias,
+        teacher_weight=teacher_weight,
+        teacher_bias=teacher_bias,
+        target_indices=target_indices,
+    )
+    options = dict(
+        reduction=reduction,
+        ignore_index=ignore_index,
+        temperature=temperature,
+        eps=eps,
+        target_format=target_format,
+        teacher_temperature=teacher_temperature,
+        accum_dtype=accum_dtype,
+        chunk_size=chunk_size,
+        backend=backend,
+        beta=beta,
+        weight_hard_loss=weight_hard_loss,
+        weight_soft_loss=weight_soft_loss,
+        label_smoothing=label_smoothing,
+        logit_scale=logit_scale,
+        softcap=softcap,
+        topk_tail=topk_tail,
+        teacher_logit_scale=teacher_logit_scale,
+        teacher_softcap=teacher_softcap,
+    )
     return _run(arrays, Layout(batch_group, vocab_group), True, options)
 
 
@@ -131,7 +158,16 @@ def fused_linear_cross_entropy(
     """``torch.nn.functional.cross_entropy`` of the head's logits, fused the same way: no teacher,
     ``"mean"`` divides by the kept rows as torch does."""
     arrays = dict(x=x, weight=weight, labels=labels, bias=bias)
-    options = dict(reduction="batchmean" if reduction == "mean" else reduction, ignore_index=ignore_index,
-                   label_smoothing=label_smoothing, logit_scale=logit_scale, softcap=softcap, accum_dtype=accum_dtype,
-                   chunk_size=chunk_size, backend=backend, weight_hard_loss=1.0, weight_soft_loss=0.0)
+    options = dict(
+        reduction="batchmean" if reduction == "mean" else reduction,
+        ignore_index=ignore_index,
+        label_smoothing=label_smoothing,
+        logit_scale=logit_scale,
+        softcap=softcap,
+        accum_dtype=accum_dtype,
+        chunk_size=chunk_size,
+        backend=backend,
+        weight_hard_loss=1.0,
+        weight_soft_loss=0.0,
+    )
     return _run(arrays, Layout(batch_group, vocab_group), False, options)

@@ -18,11 +18,9 @@ def _scale_(grad: torch.Tensor, g: torch.Tensor, backend: str) -> torch.Tensor:
     """``grad *= g`` in place, in float32 and rounded once (as JAX's backward does).
 
     Where Triton runs (CUDA, or the Triton backend under the interpreter) a contiguous
-    gradient goes through ``rescale``, which skips a unit ``g`` on the device. Not under
-    ``torch.compile``: Inductor handed that kernel a zero upstream gradient (seen on the H200,
-    torch 2.11), and there its own pointwise multiply costs the same pass.
+    gradient goes through ``rescale``, which skips a unit ``g`` on the device.
     """
-    if grad.is_contiguous() and (backend == "triton" or grad.is_cuda) and not torch.compiler.is_compiling():
+    if grad.is_contiguous() and (backend == "triton" or grad.is_cuda):
         from .backends.rescale import scale_
 
         return scale_(grad, g)
@@ -40,10 +38,24 @@ class FusedLinearLossFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, target, teacher_weight, teacher_bias, target_indices, labels,  # type: ignore[override]
-                loss: Loss, run: RunOptions, layout: Layout, compute: Callable):
-        needs = Needs(x=ctx.needs_input_grad[0], weight=ctx.needs_input_grad[1],
-                      bias=bias is not None and ctx.needs_input_grad[2])
+    def forward(
+        ctx,
+        x,
+        weight,
+        bias,
+        target,
+        teacher_weight,
+        teacher_bias,
+        target_indices,
+        labels,  # type: ignore[override]
+        loss: Loss,
+        run: RunOptions,
+        layout: Layout,
+        compute: Callable,
+    ):
+        needs = Needs(
+            x=ctx.needs_input_grad[0], weight=ctx.needs_input_grad[1], bias=bias is not None and ctx.needs_input_grad[2]
+        )
         teacher = TeacherArrays(target, teacher_weight, teacher_bias, target_indices)
         value, grad_x, grad_w, grad_b = compute(x, weight, bias, teacher, labels, loss, run, layout, needs)
         ctx.grads = (grad_x, grad_w, grad_b)

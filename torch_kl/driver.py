@@ -150,8 +150,9 @@ def forward(
         else:
             torch.addmm(bias, xc, wt, out=z)
         t = teachers.dense_chunk(loss, teacher, start, stop, t_buf)
-        row_loss[start:stop] = _rows(z, t, labels, keep, teacher, start, stop, v0, v_total, weights, loss, layout,
-                                     phases, plan.tile, needs.any)
+        row_loss[start:stop] = _rows(
+            z, t, labels, keep, teacher, start, stop, v0, v_total, weights, loss, layout, phases, plan.tile, needs.any
+        )
         if grads.x is not None:
             torch.mm(z, weight, out=grads.x[start:stop])
         if grads.weight is not None:
@@ -172,8 +173,23 @@ def forward(
     return total, grads.x, grad_w, grad_b
 
 
-def _rows(z, t, labels, keep, teacher, start, stop, v0, v_total, weights, loss: Loss, layout: Layout, phases, tile,
-          write_grad: bool) -> torch.Tensor:
+def _rows(
+    z,
+    t,
+    labels,
+    keep,
+    teacher,
+    start,
+    stop,
+    v0,
+    v_total,
+    weights,
+    loss: Loss,
+    layout: Layout,
+    phases,
+    tile,
+    write_grad: bool,
+) -> torch.Tensor:
     """The row phases of one chunk: its row losses, and ``dL/dz`` over ``z`` if ``write_grad``."""
     keep_c = keep[start:stop]
     y = None if labels is None else labels[start:stop]
@@ -190,9 +206,17 @@ def _rows(z, t, labels, keep, teacher, start, stop, v0, v_total, weights, loss: 
         local = (idx >= v0) & (idx < v0 + z.shape[1])
         at = torch.where(local, idx - v0, 0)
         soft, topk_const, g_at = rowmath.topk(
-            z.gather(1, at).float(), local, teacher.target[start:stop].float(), idx == y[:, None] if loss.hard else False,
-            (stats[:, 0], stats[:, 1]), rowmath.row_scales(keep_c, weights, loss, torch), loss, v_total, layout.vocab_sum, torch,
-        )  # fmt: skip
+            z.gather(1, at).float(),
+            local,
+            teacher.target[start:stop].float(),
+            idx == y[:, None] if loss.hard else False,
+            (stats[:, 0], stats[:, 1]),
+            rowmath.row_scales(keep_c, weights, loss, torch),
+            loss,
+            v_total,
+            layout.vocab_sum,
+            torch,
+        )
     coefs = rowmath.coefficients(stats, keep_c, value_sums, topk_const, weights, loss, torch)
     partial = None
     if write_grad or kind == "forward":

@@ -118,8 +118,9 @@ def _value_kernel(z_ref, t_ref, stats_ref, out_ref, *, v: int, loss: Loss, tile:
     out_ref[1] = jnp.sum(acc_b)
 
 
-def _finish_kernel(*refs, v: int, v_total: int, loss: Loss, has_teacher: bool, hard: bool, write_grad: bool,
-                   tile: tuple[int, int]):
+def _finish_kernel(
+    *refs, v: int, v_total: int, loss: Loss, has_teacher: bool, hard: bool, write_grad: bool, tile: tuple[int, int]
+):
     z_ref, *refs = refs
     t_ref = refs.pop(0) if has_teacher else None
     y_ref = refs.pop(0) if hard else None
@@ -169,7 +170,7 @@ def _call(kernel, rows: int, args: list, specs: list, out_shape: list, out_specs
 
 
 def _inputs(z: jax.Array, t, y: jax.Array | None) -> tuple[list, list]:
-    rows, v = z.shape
+    v = z.shape[1]
     args, specs = [z], [_row(v)]
     if t is not None:
         array, row0 = t
@@ -200,19 +201,34 @@ def value(z: jax.Array, t, stats: jax.Array, loss: Loss, tile: tuple[int, int]) 
 
 
 def finish(
-    z: jax.Array, t, y: jax.Array | None, coefs: jax.Array, loss: Loss, v_total: int, tile: tuple[int, int],
-    write_grad: bool
+    z: jax.Array,
+    t,
+    y: jax.Array | None,
+    coefs: jax.Array,
+    loss: Loss,
+    v_total: int,
+    tile: tuple[int, int],
+    write_grad: bool,
 ) -> tuple[jax.Array | None, jax.Array]:
     """Phase 3: ``(dL/dz in z's buffer or None, the rows' forward-KL sums)``."""
     rows, v = z.shape
     args, specs = _inputs(z, t, y)
-    kernel = functools.partial(_finish_kernel, v=v, v_total=v_total, loss=loss, has_teacher=t is not None,
-                               hard=y is not None, write_grad=write_grad, tile=tile)
+    kernel = functools.partial(
+        _finish_kernel,
+        v=v,
+        v_total=v_total,
+        loss=loss,
+        has_teacher=t is not None,
+        hard=y is not None,
+        write_grad=write_grad,
+        tile=tile,
+    )
     out_shape = [jax.ShapeDtypeStruct((rows,), jnp.float32)]
     out_specs = [pl.BlockSpec((1,), lambda i: (i,))]
     if write_grad:
         out_shape.insert(0, jax.ShapeDtypeStruct(z.shape, z.dtype))
         out_specs.insert(0, _row(v))
-    outs = _call(kernel, rows, [*args, coefs], [*specs, _row(6)], out_shape, out_specs, tile,
-                 {0: 0} if write_grad else None)
+    outs = _call(
+        kernel, rows, [*args, coefs], [*specs, _row(6)], out_shape, out_specs, tile, {0: 0} if write_grad else None
+    )
     return (outs[0], outs[1]) if write_grad else (None, outs[0])

@@ -1,0 +1,150 @@
+"""The loss as one opaque ``torch.library`` custom op, for ``torch.compile``.
+
+Inside ``torch.compile`` (and CUDA graphs through ``mode="reduce-overhead"``) the chunk driver
+runs as one op with a fake implementation: Dynamo traces no Python of ours and Inductor never
+re-lowers our Triton kernels or reasons about their in-place writes into chunk views (both
+went wrong when it tried: a float64 loop-carried statistic, then all-zero gradients on the
+H200). The op returns the gradients as outputs; its backward multiplies them by the upstream
+gradient, a pointwise kernel that Inductor may run in place. Eager calls keep
+``autograd.FusedLinearLossFunction``, whose backward scales the saved gradients in place.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fused_kl.loss import Loss, Teacher
+from fused_kl.options import RunOptions
+
+from .backends import compute_of
+from .driver import Needs
+from .layout import Layout
+from .teachers import TeacherArrays
+
+
+def _encode(loss: Loss, run: RunOptions, layout: Layout) -> tuple[list[float], list[int], str]:
+    """The static arguments as the numbers and the string a custom op takes."""
+    t = loss.teacher
+    floats = [
+        loss.temperature,
+        loss.beta,
+        loss.weight_soft,
+        loss.weight_hard,
+        loss.label_smoothing,
+        loss.logit_scale,
+        -1.0 if loss.softcap is None else loss.softcap,
+    ]
+    if t is not None:
+        floats += [t.temperature, t.logit_scale, -1.0 if t.softcap is None else t.softcap, t.eps]
+    groups = [_group_name(g) for g in (layout.batch_group, layout.vocab_group)]
+    strs = [loss.reduction, run.backend, run.accum_dtype or "", *groups] + (
+        [] if t is None else [t.format, t.topk_tail]
+    )
+    return floats, [loss.ignore_index, run.chunk_size or 0], "|".join(strs)
+
+
+def _decode(floats: list[float], ints: list[int], joined: str) -> tuple[Loss, RunOptions, Layout]:
+    strs = joined.split("|")
+    cap = lambda c: None if c < 0 else c
+    teacher = None
+    if len(strs) > 5:
+        teacher = Teacher(strs[5], floats[7], floats[8], cap(floats[9]), strs[6], floats[10])
+    loss = Loss(
+        strs[0], ints[0], floats[0], floats[1], floats[2], floats[3], floats[4], floats[5], cap(floats[6]), teacher
+    )
+    run = RunOptions(strs[2] or None, ints[1] or None, strs[1])
+    return loss, run, Layout(*(_group(name) for name in strs[3:5]))
+
+
+def _group_name(group) -> str:
+    return "" if group is None else group.group_name
+
+
+def _group(name: str):
+    if not name:
+        return None
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
+
+
+def _empty(like: torch.Tensor) -> torch.Tensor:
+    return like.new_empty((0,))
+
+
+@torch.library.custom_op("torch_kl::fused_linear_loss", mutates_args=())
+def fused_linear_loss_op(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor | None,
+    teacher_weight: torch.Tensor | None, teacher_bias: torch.Tensor | None, target_indices: torch.Tensor | None,
+    labels: torch.Tensor | None, floats: list[float], ints: list[int], strs: str, needs_x: bool,
+    needs_weight: bool, needs_bias: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    loss, run, layout = _decode(floats, ints, strs)
+    compute = compute_of(run.backend)
+    needs = Needs(needs_x, needs_weight, needs_bias)
+    teacher = TeacherArrays(target, teacher_weight, teacher_bias, target_indices)
+    value, gx, gw, gb = compute(x, weight, bias, teacher, labels, loss, run, layout, needs)
+    return value, _empty(x) if gx is None else gx, _empty(weight) if gw is None else gw, _empty(x) if gb is None else gb
+
+
+@fused_linear_loss_op.register_fake
+def _(
+    x,
+    weight,
+    bias,
+    target,
+    teacher_weight,
+    teacher_bias,
+    target_indices,
+    labels,
+    floats,
+    ints,
+    strs,
+    needs_x,
+    needs_weight,
+    needs_bias,
+):
+    value = x.new_empty((), dtype=torch.float32)
+    gb = bias.new_empty(bias.shape) if needs_bias else _empty(x)
+    return (
+        value,
+        x.new_empty(x.shape if needs_x else (0,)),
+        weight.new_empty(weight.shape if needs_weight else (0,)),
+        gb,
+    )
+
+
+def _setup(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*output[1:])
+    ctx.needs = inputs[11:14]
+
+
+def _backward(ctx, grad_loss, *unused):
+    grads = [
+        g.to(torch.float32).mul(grad_loss).to(g.dtype) if needed else None
+        for g, needed in zip(ctx.saved_tensors, ctx.needs, strict=True)
+    ]
+    return (*grads, *([None] * 11))
+
+
+fused_linear_loss_op.register_autograd(_backward, setup_context=_setup)
+
+
+def apply(
+    x, weight, bias, teacher: TeacherArrays, labels, loss: Loss, run: RunOptions, layout: Layout, needs: Needs
+) -> torch.Tensor:
+    """The loss through the custom op (its gradients flow through its autograd formula)."""
+    return fused_linear_loss_op(
+        x,
+        weight,
+        bias,
+        teacher.target,
+        teacher.weight,
+        teacher.bias,
+        teacher.indices,
+        labels,
+        *_encode(loss, run, layout),
+        needs.x,
+        needs.weight,
+        needs.bias,
+    )[0]
