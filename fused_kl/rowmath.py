@@ -75,8 +75,13 @@ def row_scales(keep: Any, weights: tuple[Any, Any, Any], loss: Loss, xp: Any) ->
 
 
 def coefficients(
-    stats: Any, keep: Any, value_sums: Any | None, topk_const: Any | None, weights: tuple[Any, Any, Any], loss: Loss,
-    xp: Any
+    stats: Any,
+    keep: Any,
+    value_sums: Any | None,
+    topk_const: Any | None,
+    weights: tuple[Any, Any, Any],
+    loss: Loss,
+    xp: Any,
 ) -> Any:
     """``COEFS`` per row, from the combined ``STATS``, the kept-row mask, phase 2's sums
     (reverse KL: ``R``; JSD: ``B``) and the top-k dense factor."""
@@ -94,8 +99,14 @@ def coefficients(
 
 
 def row_losses(
-    stats: Any, keep: Any, labels_ok: Any, soft_rows: Any, weights: tuple[Any, Any, Any], loss: Loss, v_total: int,
-    xp: Any
+    stats: Any,
+    keep: Any,
+    labels_ok: Any,
+    soft_rows: Any,
+    weights: tuple[Any, Any, Any],
+    loss: Loss,
+    v_total: int,
+    xp: Any,
 ) -> Any:
     """Each row's share of the loss: ``w_soft s soft_i + w_hard s_hard hard_i``, 0 if ignored,
     NaN where a kept label of the hard term lies outside the vocabulary."""
@@ -118,8 +129,16 @@ def soft_rows(kind: str, phase2: Any | None, phase3: Any, beta: float) -> Any:
 
 
 def topk(
-    z_at: Any, local: Any, t: Any, is_label: Any, coefs_lse: tuple[Any, Any], scale: tuple[Any, Any], loss: Loss,
-    v_total: int, vocab_sum: Callable[[Any], Any], xp: Any
+    z_at: Any,
+    local: Any,
+    t: Any,
+    is_label: Any,
+    coefs_lse: tuple[Any, Any],
+    scale: tuple[Any, Any],
+    loss: Loss,
+    v_total: int,
+    vocab_sum: Callable[[Any], Any],
+    xp: Any,
 ) -> tuple[Any, Any, Any]:
     """The top-k teacher of one chunk: ``(soft loss per row, dense factor K, dL/dz at the k tokens)``.
 

@@ -26,8 +26,14 @@ class FusedLinearKLDivLoss(torch.nn.Module):
         **options: object,
     ) -> None:
         super().__init__()
-        self.options = dict(reduction=reduction, ignore_index=ignore_index, temperature=temperature, eps=eps,
-                            accum_dtype=accum_dtype, **options)
+        self.options = dict(
+            reduction=reduction,
+            ignore_index=ignore_index,
+            temperature=temperature,
+            eps=eps,
+            accum_dtype=accum_dtype,
+            **options,
+        )
 
     def forward(
         self,
@@ -69,8 +75,15 @@ class FusedLinearJSDLoss(torch.nn.Module):
         del compiled
         self.weights = (weight_soft_loss, weight_hard_loss)
         self.return_soft_hard_loss = return_soft_hard_loss
-        self.options = dict(beta=beta, ignore_index=ignore_index, temperature=temperature, chunk_size=chunk_size,
-                            target_format="hidden", reduction="batchmean", **options)
+        self.options = dict(
+            beta=beta,
+            ignore_index=ignore_index,
+            temperature=temperature,
+            chunk_size=chunk_size,
+            target_format="hidden",
+            reduction="batchmean",
+            **options,
+        )
 
     def forward(
         self,
@@ -104,6 +117,7 @@ class FusedLinearCrossEntropyLoss(torch.nn.Module):
         super().__init__()
         self.options = options
 
-    def forward(self, x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
         return fused_linear_cross_entropy(x, weight, labels, bias=bias, **self.options)  # type: ignore[arg-type]

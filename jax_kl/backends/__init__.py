@@ -47,11 +47,20 @@ class Backend:
 REGISTRY = {
     b.name: b
     for b in (
-        Backend("pallas", "the Pallas row kernels lowered through Triton, chunked (interpreted on CPU)",
-                lambda: None, "pallas_triton"),
+        Backend(
+            "pallas",
+            "the Pallas row kernels lowered through Triton, chunked (interpreted on CPU)",
+            lambda: None,
+            "pallas_triton",
+        ),
         Backend("xla", "the same chunked algorithm in plain jax.numpy", lambda: None, "xla_phases"),
-        Backend("triton", "torch_kl's Triton kernels through DLPack, under jax.jit and jax.grad",
-                _torch_triton_missing, None, True),
+        Backend(
+            "triton",
+            "torch_kl's Triton kernels through DLPack, under jax.jit and jax.grad",
+            _torch_triton_missing,
+            None,
+            True,
+        ),
     )
 }
 ALIASES = {"pallas_triton": "pallas"}

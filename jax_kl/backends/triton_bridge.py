@@ -43,8 +43,16 @@ def jax_through_triton(x, weight, bias, teacher, labels, loss: Loss, run: RunOpt
             out_types["grad_bias"] = sds((v,), bias.dtype)
     torch_run = dataclasses.replace(run, backend="triton")
     on_gpu = jax.default_backend() == "gpu"
-    named = {"x": x, "weight": weight, "bias": bias, "labels": labels, "target": teacher.target,
-             "weight_t": teacher.weight, "bias_t": teacher.bias, "indices": teacher.indices}
+    named = {
+        "x": x,
+        "weight": weight,
+        "bias": bias,
+        "labels": labels,
+        "target": teacher.target,
+        "weight_t": teacher.weight,
+        "bias_t": teacher.bias,
+        "indices": teacher.indices,
+    }
     names = [k for k, a in named.items() if a is not None]
 
     def callback(ctx, out, *buffers):

@@ -61,8 +61,14 @@ def value(z: jax.Array, t, stats: jax.Array, loss: Loss, tile: tuple[int, int]) 
 
 
 def finish(
-    z: jax.Array, t, y: jax.Array | None, coefs: jax.Array, loss: Loss, v_total: int, tile: tuple[int, int],
-    write_grad: bool
+    z: jax.Array,
+    t,
+    y: jax.Array | None,
+    coefs: jax.Array,
+    loss: Loss,
+    v_total: int,
+    tile: tuple[int, int],
+    write_grad: bool,
 ) -> tuple[jax.Array | None, jax.Array]:
     """Phase 3: ``(dL/dz in z's dtype or None, the rows' forward-KL sums)``."""
     del tile

@@ -60,8 +60,14 @@ def value(z: torch.Tensor, t: torch.Tensor, stats: torch.Tensor, loss: Loss, til
 
 
 def finish(
-    z: torch.Tensor, t: torch.Tensor | None, y: torch.Tensor | None, coefs: torch.Tensor, loss: Loss, v_total: int,
-    tile: tuple[int, int], write_grad: bool
+    z: torch.Tensor,
+    t: torch.Tensor | None,
+    y: torch.Tensor | None,
+    coefs: torch.Tensor,
+    loss: Loss,
+    v_total: int,
+    tile: tuple[int, int],
+    write_grad: bool,
 ) -> torch.Tensor:
     """Phase 3: ``dL/dz`` over ``z`` (if ``write_grad``); returns the rows' forward-KL sums."""
     del tile
@@ -77,8 +83,9 @@ def finish(
     if write_grad:
         g = coefs[:, 4:5] * terms.soft_direction(loss.kind, q, log_q, p, log_p, coefs[:, 3:4], loss.beta, torch)
         if loss.hard:
-            g = g + coefs[:, 5:6] * terms.hard_direction(f, coefs[:, 1:2], _is_label(y, f.shape[1], f), loss, v_total,
-                                                          torch)
+            g = g + coefs[:, 5:6] * terms.hard_direction(
+                f, coefs[:, 1:2], _is_label(y, f.shape[1], f), loss, v_total, torch
+            )
         live = (coefs[:, 4:5] != 0) | (coefs[:, 5:6] != 0)  # ignored rows: exactly 0, never NaN
         z.copy_(torch.where(live, g * terms.slope(z.float(), loss.logit_scale, loss.softcap, torch), 0.0))
     return partial

@@ -308,8 +308,14 @@ def value(z: torch.Tensor, t: torch.Tensor, stats: torch.Tensor, loss: Loss, til
 
 
 def finish(
-    z: torch.Tensor, t: torch.Tensor | None, y: torch.Tensor | None, coefs: torch.Tensor, loss: Loss, v_total: int,
-    tile: tuple[int, int], write_grad: bool
+    z: torch.Tensor,
+    t: torch.Tensor | None,
+    y: torch.Tensor | None,
+    coefs: torch.Tensor,
+    loss: Loss,
+    v_total: int,
+    tile: tuple[int, int],
+    write_grad: bool,
 ) -> torch.Tensor:
     """Phase 3: ``dL/dz`` over ``z`` (if ``write_grad``); returns the rows' forward-KL sums."""
     rows, v = z.shape
