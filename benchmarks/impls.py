@@ -38,6 +38,9 @@ class Prepared:
     step: Callable[[], tuple[Any, Any]]
     # Compiled JAX programs the step runs: their memory is invisible to torch's allocator.
     programs: tuple[Any, ...] = ()
+    # False where the step's memory lives where neither torch's peak counter nor XLA's memory
+    # analysis sees it (torch_kl's bridge into JAX): the peak is then left blank.
+    memory_seen: bool = True
     note: str = ""
 
 
@@ -154,8 +157,8 @@ def _torch_kl(backend: str) -> Impl:
         return Impl("torch", make)
 
     def bridged(inputs: Inputs) -> Prepared:
-        note = "peak: torch's allocator only (the JAX side of the bridge is not seen)"
-        return dataclasses.replace(make(inputs), note=note)
+        note = "no peak: the bridge's JAX buffers are not seen"
+        return dataclasses.replace(make(inputs), memory_seen=False, note=note)
 
     return Impl("torch", bridged)
 

@@ -116,7 +116,7 @@ def _measure(
     if ref is not None and impl.gradients:
         fields["err_grad_x"], fields["err_grad_weight"] = (_rel_err(g, r) for g, r in zip(grads, ref, strict=True))
     del grads
-    if on_gpu or prepared.programs:  # on CPU only XLA's share is known
+    if prepared.memory_seen and (on_gpu or prepared.programs):  # on CPU only XLA's share is known
         peak = torch_peak + _program_bytes(prepared.programs)
         fields["peak_gib"] = peak / GIB
         fields["beyond_grads_gib"] = (peak - inputs.grad_bytes) / GIB
