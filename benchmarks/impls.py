@@ -168,8 +168,9 @@ def build() -> dict[str, Impl]:
     impls = {
         "floor": Impl("torch", floor, bytes_per_logit=2, gradients=False),
         "eager": Impl("torch", _autograd(functools.partial(_unfused, unfused.TORCH)), bytes_per_logit=20),
-        "compile": Impl("torch", _autograd(lambda mode: _compiled_unfused(mode.name)), bytes_per_logit=10,
-                        gpu_only=True),
+        "compile": Impl(
+            "torch", _autograd(lambda mode: _compiled_unfused(mode.name)), bytes_per_logit=10, gpu_only=True
+        ),
         "liger": Impl("torch", _autograd(_liger), gpu_only=True),
         "liger-fp32": Impl("torch", _autograd(functools.partial(_liger, accum_dtype=torch.float32)), gpu_only=True),
         "xla": Impl("jax", _jitted(functools.partial(_unfused, unfused.JAX)), bytes_per_logit=16),

@@ -45,10 +45,19 @@ MODES = {
         Mode("kl", "probs", about="forward KL, teacher probabilities [N, V]"),
         Mode("reverse", "probs", {"beta": 1.0}, about="reverse KL (beta 1), teacher probabilities [N, V]"),
         Mode("jsd", "probs", {"beta": 0.5}, about="generalized JSD (beta 0.5), teacher probabilities [N, V]"),
-        Mode("hidden", "hidden", {"target_format": "hidden"}, floor_gemms=4,
-             about="forward KL, teacher hidden states [N, H] and head [V, H]; floor of 4 GEMMs"),
-        Mode("topk", "topk", {"target_format": "topk_log_probs", "topk_tail": "bin"},
-             about=f"forward KL, teacher top-{TOPK} log-probabilities, the rest in a tail bin"),
+        Mode(
+            "hidden",
+            "hidden",
+            {"target_format": "hidden"},
+            floor_gemms=4,
+            about="forward KL, teacher hidden states [N, H] and head [V, H]; floor of 4 GEMMs",
+        ),
+        Mode(
+            "topk",
+            "topk",
+            {"target_format": "topk_log_probs", "topk_tail": "bin"},
+            about=f"forward KL, teacher top-{TOPK} log-probabilities, the rest in a tail bin",
+        ),
         Mode("ce", None, about="cross-entropy on labels (fused_linear_cross_entropy), no teacher"),
     )
 }

@@ -87,8 +87,9 @@ def save(rows: list[Row], meta: dict, out_dir: Path) -> None:
     (out_dir / "results.md").write_text(markdown(rows), encoding="utf-8")
 
 
-def plot(rows: list[Row], heads: Sequence[Shape], ns: Sequence[int], frameworks: dict[str, str], mode: str,
-         path: Path) -> None:
+def plot(
+    rows: list[Row], heads: Sequence[Shape], ns: Sequence[int], frameworks: dict[str, str], mode: str, path: Path
+) -> None:
     """Time and memory against N, one panel pair per head, one line per implementation.
 
     ``frameworks``: implementation -> "torch" or "jax", in the table's order. An implementation
