@@ -4,6 +4,11 @@
 count is summed over the group. With ``vocab_group`` each rank holds a contiguous ``V / G``
 slice of the head: the row statistics (log-sum-exps by max and sum, sums by sum), phase 2's
 sums and the forward KL's row sums are all-reduced, and so is ``grad_x`` at the end.
+
+:meth:`Layout.agree` is the cross-rank check of a call: one tiny ``all_gather`` per group,
+after the local validation and before the driver's first collective, so that ranks called
+with different shapes or options (or one whose arguments were rejected) raise instead of
+hanging in mismatched collectives or computing garbage.
 """
 
 from __future__ import annotations
@@ -14,6 +19,10 @@ from typing import Any
 import torch
 
 from fused_kl import rowmath
+
+# What ``agree`` gathers, and the argument each entry belongs to (for the error messages).
+FACTS = ("failed", "N", "H", "V", "teacher size", "call")
+_ARGUMENT = {"N": "x", "H": "x", "V": "weight", "teacher size": "target"}
 
 
 @dataclass(frozen=True)
@@ -39,12 +48,78 @@ class Layout:
         if self.vocab_group is None:
             return stats
         n = rowmath.N_LSE
-        lse = rowmath.combine_lse(stats[:, :n], lambda a: _all_reduce(a, "max", self.vocab_group),
-                                  self.vocab_sum, torch)
+        lse = rowmath.combine_lse(
+            stats[:, :n], lambda a: _all_reduce(a, "max", self.vocab_group), self.vocab_sum, torch
+        )
         return torch.cat([lse, self.vocab_sum(stats[:, n:])], -1)
 
+    @property
+    def distributed(self) -> bool:
+        return self.batch_group is not None or self.vocab_group is not None
 
-SINGLE = Layout()
+    def check_groups(self) -> None:
+        """The groups are process groups of an initialised ``torch.distributed`` (local check)."""
+        for name, group in (("batch_group", self.batch_group), ("vocab_group", self.vocab_group)):
+            if group is None:
+                continue
+            dist = _dist()
+            if not dist.is_available() or not dist.is_initialized():
+                raise ValueError(f"{name}: torch.distributed is not initialised (call init_process_group first)")
+            if not isinstance(group, dist.ProcessGroup):
+                raise TypeError(f"{name}: expected a torch.distributed ProcessGroup, got {type(group).__name__}")
+        if self.batch_group is not None and self.batch_group is self.vocab_group:
+            raise ValueError("batch_group, vocab_group: expected two different groups, got the same one for both")
+
+    def agree(self, facts: tuple[int, ...] | None, device: torch.device) -> None:
+        """Check that every rank of each group made a compatible call.
+
+        ``facts`` is ``(N, H, V_local, teacher size, digest of the call)``, or None where this
+        rank's own validation failed (it re-raises its error after this returns). Rows may
+        differ across ``batch_group``; everything must match across ``vocab_group``. The
+        values of the replicated arrays (``x``, ``labels``, top-k teachers across
+        ``vocab_group``) are not compared: that would cost a pass over them.
+        """
+        if torch.compiler.is_compiling():  # reading the gathered values would break the graph
+            return
+        mine = [1, 0, 0, 0, 0, 0] if facts is None else [0, *facts]
+        for name, group in (("batch_group", self.batch_group), ("vocab_group", self.vocab_group)):
+            if group is not None:
+                _compare(name, group, mine, device, rows_may_differ=name == "batch_group")
+
+
+def _compare(name: str, group: Any, mine: list[int], device: torch.device, rows_may_differ: bool) -> None:
+    import torch.distributed._functional_collectives as funcol
+
+    if _dist().get_backend(group) == "gloo":
+        device = torch.device("cpu")
+    gathered = funcol.all_gather_tensor(torch.tensor(mine, dtype=torch.int64, device=device), 0, group)
+    table = gathered.reshape(-1, len(FACTS)).tolist()
+    failed = [r for r, row in enumerate(table) if row[0]]
+    if failed:
+        if mine[0]:
+            return  # the caller raises its own error
+        raise ValueError(
+            f"{name}: rank(s) {failed} of the group rejected their arguments (their error says why); "
+            "every rank must make the same call"
+        )
+    for i, fact in enumerate(FACTS[1:], 1):
+        if fact == "N" and rows_may_differ:
+            continue
+        values = [row[i] for row in table]
+        if len(set(values)) == 1:
+            continue
+        if fact == "call":
+            raise ValueError(
+                f"{name}: the ranks' calls differ in their options, dtypes or optional arguments "
+                "(reduction, temperature, chunk_size, bias, labels, ...); every rank must make the "
+                "same call"
+            )
+        if fact == "V" and name == "vocab_group":
+            raise ValueError(
+                f"weight: the vocab_group's ranks hold {values} rows of the head: V must be divisible "
+                f"by the group size {len(values)}, each rank holding a contiguous V / G slice"
+            )
+        raise ValueError(f"{_ARGUMENT[fact]}: the {name}'s ranks disagree on {fact}: {values} (rank by rank)")
 
 
 def _dist() -> Any:
@@ -59,3 +134,6 @@ def _all_reduce(a: torch.Tensor, op: str, group: Any) -> torch.Tensor:
     import torch.distributed._functional_collectives as funcol
 
     return funcol.all_reduce(a, op, group)
+
+
+SINGLE = Layout()

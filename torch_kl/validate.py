@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import zlib
 
 import torch
 
@@ -67,12 +68,45 @@ def check_values(loss: Loss, labels: torch.Tensor | None, indices: torch.Tensor 
 def validate(
     arrays: dict[str, object], layout: Layout, *, accum_dtype: object, with_teacher: bool = True, **options: object
 ) -> tuple[Shapes, Loss, RunOptions]:
-    """Check every argument; return the problem's sizes, the loss and the run options."""
+    """Check every argument; return the problem's sizes, the loss and the run options.
+
+    With a group, the ranks then compare their calls (``Layout.agree``): a rank whose own
+    arguments are rejected still takes part, so that every rank raises instead of hanging.
+    """
+    if not layout.distributed:
+        return _validate(arrays, layout, accum_dtype, with_teacher, options)
+    x = arrays["x"]
+    device = x.device if isinstance(x, torch.Tensor) else torch.device("cpu")
+    layout.check_groups()
+    try:
+        result = _validate(arrays, layout, accum_dtype, with_teacher, options)
+    except (TypeError, ValueError):
+        layout.agree(None, device)
+        raise
+    layout.agree(_facts(arrays, *result), device)
+    return result
+
+
+def _facts(arrays: dict[str, object], shapes: Shapes, loss: Loss, run: RunOptions) -> tuple[int, ...]:
+    """What ``Layout.agree`` compares across ranks: sizes, and a digest of everything else."""
+    given = tuple(sorted(k for k, a in arrays.items() if a is not None))
+    dtypes = tuple(str(arrays[k].dtype) for k in given)  # type: ignore[attr-defined]
+    call = repr((loss, run.chunk_size, run.accum_dtype, given, dtypes))
+    return shapes.n, shapes.h, shapes.v, shapes.t, zlib.crc32(call.encode())
+
+
+def _validate(
+    arrays: dict[str, object], layout: Layout, accum_dtype: object, with_teacher: bool, options: dict[str, object]
+) -> tuple[Shapes, Loss, RunOptions]:
     if accum_dtype is not None and not isinstance(accum_dtype, torch.dtype):
-        raise TypeError(f"accum_dtype: expected None or a torch.dtype, got {type(accum_dtype).__name__} {accum_dtype!r}")
+        raise TypeError(
+            f"accum_dtype: expected None or a torch.dtype, got {type(accum_dtype).__name__} {accum_dtype!r}"
+        )
+    options = dict(options)
     backend = options.pop("backend")
-    loss, run = check_options(**options, accum_dtype=None if accum_dtype is None else _dtype_name(accum_dtype),
-                              with_teacher=with_teacher)
+    loss, run = check_options(
+        **options, accum_dtype=None if accum_dtype is None else _dtype_name(accum_dtype), with_teacher=with_teacher
+    )
     x = arrays["x"]
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
@@ -81,9 +115,10 @@ def validate(
     weight = arrays.get("weight")
     v_total = weight.shape[0] * shards if isinstance(weight, torch.Tensor) and weight.ndim == 2 else None
     shapes = check_array_args(facts, loss, v_total, **arrays)
-    if chosen.single_device and (layout.batch_group is not None or layout.vocab_group is not None):
-        raise ValueError(f"backend: {backend!r} runs on one device; batch_group and vocab_group need "
-                         "'triton' or 'torch'")
+    if chosen.single_device and layout.distributed:
+        raise ValueError(
+            f"backend: {backend!r} runs on one device; batch_group and vocab_group need 'triton' or 'torch'"
+        )
     if chosen.name == "pallas" and arrays.get("labels") is not None:
         check_int32_ignore_index(loss.ignore_index, "backend 'pallas' hands the labels to JAX as int32")
     check_values(loss, arrays.get("labels"), arrays.get("target_indices"), shapes.v * shards)  # type: ignore[arg-type]

@@ -1,0 +1,55 @@
+"""torch_kl on several ranks: rows sharded (``batch_group``), vocabulary sharded
+(``vocab_group``), the cross-rank checks and ``LinearLossParallel``, on gloo (CPU).
+
+Two ranks are started once for the whole module (``torch_worker.py``; starting gloo
+processes is the slow part) and run every case; each test reads one case's result.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from torch_style_cases import STYLE_CASES
+from torch_worker import CASES
+
+HERE = Path(__file__).parent
+ROOT = HERE.parent.parent
+WORLD = 2
+TIMEOUT_S = 240
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, str | None]]:
+    out = tmp_path_factory.mktemp("torch_ranks")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(HERE), str(ROOT), str(ROOT / "tests")])}
+    store = out / "store"
+    procs = [subprocess.Popen([sys.executable, str(HERE / "torch_worker.py"), str(r), str(WORLD), str(store), str(out)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(WORLD)]
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=TIMEOUT_S)[0])
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        pytest.fail(f"the ranks did not finish within {TIMEOUT_S} s (a collective out of step?)")
+    found = []
+    for r, (p, log) in enumerate(zip(procs, logs, strict=True)):
+        path = out / f"rank{r}.json"
+        if p.returncode != 0 or not path.exists():
+            pytest.fail(f"rank {r} exited with {p.returncode}:\n{log[-4000:]}")
+        found.append(json.loads(path.read_text()))
+    return found
+
+
+@pytest.mark.parametrize("name", [*CASES, *STYLE_CASES])
+def test_case(results: list[dict[str, str | None]], name: str) -> None:
+    errors = [f"rank {r}:\n{ranks[name]}" for r, ranks in enumerate(results) if ranks.get(name, "missing") is not None]
+    assert not errors, "\n".join(errors)

@@ -1,0 +1,142 @@
+"""``torch_kl.parallel.LinearLossParallel`` on a 2-rank gloo ``DeviceMesh`` (run by torch_worker.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import parallelize_module
+from torch_problems import check, problem, rows_of, run
+
+import torch_kl
+from torch_kl.parallel import LinearLossParallel
+
+STYLE_CASES: dict[str, Callable[[int, int], None]] = {}
+TOL = 2e-5
+
+
+def _case(fn):
+    STYLE_CASES[f"style_{fn.__name__}"] = fn
+    return fn
+
+
+def _leaf(a: torch.Tensor, mesh, placement) -> DTensor:
+    return distribute_tensor(a, mesh, [placement]).requires_grad_()
+
+
+@_case
+def kl_dtensors(rank: int, world: int) -> None:
+    """DTensor rows Shard(1) (T = 7: 4 and 3 rows), Replicate head: global loss and gradients."""
+    mesh = init_device_mesh("cpu", (world,))
+    p = problem(n=14, lead=2, bias=True, ignored=(4, 5, 6, 12))
+    opts = dict(chunk_size=3, temperature=1.5)
+    want_loss, want = run(p, opts)
+    module = parallelize_module(torch_kl.FusedLinearKLDivLoss(**opts), mesh, LinearLossParallel(sequence_dim=1))
+    x, w, b = _leaf(p["x"], mesh, Shard(1)), _leaf(p["weight"], mesh, Replicate()), _leaf(p["bias"], mesh, Replicate())
+    t, lab = (distribute_tensor(p[k], mesh, [Shard(1)]) for k in ("target", "labels"))
+    loss = module(x, w, t, labels=lab, bias=b)
+    value = float(loss.full_tensor())
+    loss.backward()
+    grads = {"x": x.grad.full_tensor(), "weight": w.grad.full_tensor(), "bias": b.grad.full_tensor()}
+    assert isinstance(loss, DTensor) and tuple(loss.placements) == (Partial(),), loss
+    assert tuple(w.grad.placements) == (Partial(),), w.grad.placements
+    assert tuple(x.grad.placements) == (Shard(1),), x.grad.placements
+    check("loss", value, want_loss, TOL)
+    for k, g in grads.items():
+        check(f"grad_{k}", g, want[k], TOL)
+
+
+@_case
+def kl_replicated_rows_local_output(rank: int, world: int) -> None:
+    """Rows given as a Replicate DTensor are sharded by the style; use_local_output gives the share."""
+    mesh = init_device_mesh("cpu", (world,))
+    p = problem(n=12, lead=None, ignored=(1, 7, 8))
+    want_loss, want = run(p, {})
+    module = parallelize_module(torch_kl.FusedLinearKLDivLoss(), mesh,
+                                LinearLossParallel(sequence_dim=0, use_local_output=True))
+    x = _leaf(p["x"], mesh, Replicate())
+    w = p["weight"].clone().requires_grad_()  # a plain head: each rank gets its share
+    share = module(x, w, distribute_tensor(p["target"], mesh, [Replicate()]), p["labels"][:6] if rank == 0
+                   else p["labels"][6:])
+    share.backward()
+    total = share.detach().clone()
+    torch.distributed.all_reduce(total)
+    gw = w.grad.clone()
+    torch.distributed.all_reduce(gw)
+    assert not isinstance(share, DTensor)
+    check("sum of shares", float(total), want_loss, TOL)
+    check("summed grad_weight", gw, want["weight"], TOL)
+    check("grad_x", x.grad.full_tensor(), want["x"], TOL)
+
+
+@_case
+def jsd_module(rank: int, world: int) -> None:
+    """FusedLinearJSDLoss (teacher hidden states and head), return_soft_hard_loss=True."""
+    mesh = init_device_mesh("cpu", (world,))
+    p = problem("hidden", n=10, lead=2, ignored=(0, 1, 7))
+    opts = dict(beta=0.4, weight_hard_loss=0.3, weight_soft_loss=0.7, chunk_size=2, return_soft_hard_loss=True)
+    ref = torch_kl.FusedLinearJSDLoss(**opts)
+    xs, ws = p["x"].clone().requires_grad_(), p["weight"].clone().requires_grad_()
+    want = ref(xs, ws, p["target"], p["teacher_weight"], p["labels"])
+    want[0].backward()
+    module = parallelize_module(torch_kl.FusedLinearJSDLoss(**opts), mesh, LinearLossParallel(sequence_dim=1))
+    x, w = _leaf(p["x"], mesh, Shard(1)), _leaf(p["weight"], mesh, Replicate())
+    t, lab = (distribute_tensor(p[k], mesh, [Shard(1)]) for k in ("target", "labels"))
+    got = module(x, w, t, distribute_tensor(p["teacher_weight"], mesh, [Replicate()]), lab)
+    values = [float(g.full_tensor()) for g in got]
+    got[0].backward()
+    gx, gw = x.grad.full_tensor(), w.grad.full_tensor()
+    for name, g, e in zip(("loss", "soft", "hard"), values, want, strict=True):
+        check(name, g, float(e), TOL)
+    check("grad_x", gx, xs.grad, TOL)
+    check("grad_weight", gw, ws.grad, TOL)
+
+
+@_case
+def cross_entropy_module(rank: int, world: int) -> None:
+    mesh = init_device_mesh("cpu", (world,))
+    p = problem(n=9, ignored=(5, 6))
+    want_loss, want = run(p, {"label_smoothing": 0.1}, fn=torch_kl.fused_linear_cross_entropy)
+    module = parallelize_module(torch_kl.FusedLinearCrossEntropyLoss(label_smoothing=0.1), mesh,
+                                LinearLossParallel(sequence_dim=0))
+    mine = rows_of(p, rank, 5, False)
+    x = mine["x"].clone().requires_grad_()  # plain tensors: this rank's rows already
+    w = _leaf(p["weight"], mesh, Replicate())
+    loss = module(x, w, mine["labels"])
+    value = float(loss.full_tensor())
+    loss.backward()
+    gw = w.grad.full_tensor()
+    check("loss", value, want_loss, TOL)
+    check("grad_x", x.grad, rows_of(want, rank, 5, False)["x"], TOL)
+    check("grad_weight", gw, want["weight"], TOL)
+
+
+@_case
+def refusals(rank: int, world: int) -> None:
+    mesh = init_device_mesh("cpu", (world,))
+    p = problem()
+    module = parallelize_module(torch_kl.FusedLinearKLDivLoss(), mesh, LinearLossParallel(sequence_dim=0))
+    sharded_head = distribute_tensor(p["weight"], mesh, [Shard(0)])
+    try:
+        module(p["x"], sharded_head, p["target"], p["labels"])
+    except ValueError as e:
+        assert "weight:" in str(e) and "FSDP2" in str(e), e
+    else:
+        raise AssertionError("a Shard(0) head was accepted")
+    for bad, needle in ((lambda: LinearLossParallel(sequence_dim=-1), "sequence_dim"),
+                        (lambda: parallelize_module(torch_kl.FusedLinearKLDivLoss(vocab_group=mesh.get_group()), mesh,
+                                                    LinearLossParallel()), "vocab_group")):
+        try:
+            bad()
+        except ValueError as e:
+            assert needle in str(e), e
+        else:
+            raise AssertionError(f"no ValueError about {needle}")
+    try:
+        parallelize_module(torch.nn.Linear(2, 2), mesh, LinearLossParallel())
+    except TypeError as e:
+        assert "FusedLinearKLDivLoss" in str(e), e
+    else:
+        raise AssertionError("a Linear was accepted")
