@@ -26,12 +26,23 @@ TIMEOUT_S = 240
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, str | None]]:
     out = tmp_path_factory.mktemp("torch_ranks")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(HERE), str(ROOT), str(ROOT / "tests")])}
+    env = {
+        **os.environ,
+        "TRITON_INTERPRET": "1",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(HERE), str(ROOT), str(ROOT / "tests")]),
+    }
     store = out / "store"
-    procs = [subprocess.Popen([sys.executable, str(HERE / "torch_worker.py"), str(r), str(WORLD), str(store), str(out)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(WORLD)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(HERE / "torch_worker.py"), str(r), str(WORLD), str(store), str(out)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(WORLD)
+    ]
     logs = []
     try:
         for p in procs:

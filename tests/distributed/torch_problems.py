@@ -15,14 +15,27 @@ import torch_kl
 DENSE = ("probs", "log_probs", "logits")
 
 
-def problem(fmt: str = "probs", *, n: int = 12, h: int = 8, v: int = 16, k: int = 5, ht: int = 6, bias: bool = False,
-            seed: int = 0, lead: int | None = None, ignored: tuple[int, ...] = (6, 7, 9, 10),
-            dtype: torch.dtype = torch.float32) -> dict:
+def problem(
+    fmt: str = "probs",
+    *,
+    n: int = 12,
+    h: int = 8,
+    v: int = 16,
+    k: int = 5,
+    ht: int = 6,
+    bias: bool = False,
+    seed: int = 0,
+    lead: int | None = None,
+    ignored: tuple[int, ...] = (6, 7, 9, 10),
+    dtype: torch.dtype = torch.float32,
+) -> dict:
     """Full inputs; rows ``ignored`` get label -100 (by default most of them in rank 1's rows).
     ``lead`` = B reshapes the rows to ``[B, n / B]``."""
     g = torch.Generator().manual_seed(seed)
-    p: dict = {"x": torch.randn(n, h, generator=g).to(dtype),
-               "weight": (torch.randn(v, h, generator=g) * 2 / h**0.5).to(dtype)}
+    p: dict = {
+        "x": torch.randn(n, h, generator=g).to(dtype),
+        "weight": (torch.randn(v, h, generator=g) * 2 / h**0.5).to(dtype),
+    }
     if bias:
         p["bias"] = torch.randn(v, generator=g).to(dtype)
     raw = torch.randn(n, v, generator=g) * 2

@@ -54,12 +54,14 @@ def kl_replicated_rows_local_output(rank: int, world: int) -> None:
     mesh = init_device_mesh("cpu", (world,))
     p = problem(n=12, lead=None, ignored=(1, 7, 8))
     want_loss, want = run(p, {})
-    module = parallelize_module(torch_kl.FusedLinearKLDivLoss(), mesh,
-                                LinearLossParallel(sequence_dim=0, use_local_output=True))
+    module = parallelize_module(
+        torch_kl.FusedLinearKLDivLoss(), mesh, LinearLossParallel(sequence_dim=0, use_local_output=True)
+    )
     x = _leaf(p["x"], mesh, Replicate())
     w = p["weight"].clone().requires_grad_()  # a plain head: each rank gets its share
-    share = module(x, w, distribute_tensor(p["target"], mesh, [Replicate()]), p["labels"][:6] if rank == 0
-                   else p["labels"][6:])
+    share = module(
+        x, w, distribute_tensor(p["target"], mesh, [Replicate()]), p["labels"][:6] if rank == 0 else p["labels"][6:]
+    )
     share.backward()
     total = share.detach().clone()
     torch.distributed.all_reduce(total)
@@ -99,8 +101,9 @@ def cross_entropy_module(rank: int, world: int) -> None:
     mesh = init_device_mesh("cpu", (world,))
     p = problem(n=9, ignored=(5, 6))
     want_loss, want = run(p, {"label_smoothing": 0.1}, fn=torch_kl.fused_linear_cross_entropy)
-    module = parallelize_module(torch_kl.FusedLinearCrossEntropyLoss(label_smoothing=0.1), mesh,
-                                LinearLossParallel(sequence_dim=0))
+    module = parallelize_module(
+        torch_kl.FusedLinearCrossEntropyLoss(label_smoothing=0.1), mesh, LinearLossParallel(sequence_dim=0)
+    )
     mine = rows_of(p, rank, 5, False)
     x = mine["x"].clone().requires_grad_()  # plain tensors: this rank's rows already
     w = _leaf(p["weight"], mesh, Replicate())
@@ -125,9 +128,15 @@ def refusals(rank: int, world: int) -> None:
         assert "weight:" in str(e) and "FSDP2" in str(e), e
     else:
         raise AssertionError("a Shard(0) head was accepted")
-    for bad, needle in ((lambda: LinearLossParallel(sequence_dim=-1), "sequence_dim"),
-                        (lambda: parallelize_module(torch_kl.FusedLinearKLDivLoss(vocab_group=mesh.get_group()), mesh,
-                                                    LinearLossParallel()), "vocab_group")):
+    for bad, needle in (
+        (lambda: LinearLossParallel(sequence_dim=-1), "sequence_dim"),
+        (
+            lambda: parallelize_module(
+                torch_kl.FusedLinearKLDivLoss(vocab_group=mesh.get_group()), mesh, LinearLossParallel()
+            ),
+            "vocab_group",
+        ),
+    ):
         try:
             bad()
         except ValueError as e:

@@ -28,15 +28,34 @@ MATRIX = [
     ("nothing_kept", "log_probs", dict(ignored=tuple(range(12))), dict(reduction="sum")),
     ("reverse_log_probs_sum", "log_probs", dict(lead=2), dict(beta=1.0, reduction="sum", chunk_size=5)),
     ("jsd_logits_mean", "logits", dict(), dict(beta=0.5, reduction="mean", temperature=2.0, teacher_temperature=1.5)),
-    ("hard_smoothing_softcap", "probs", dict(bias=True), dict(weight_hard_loss=0.7, weight_soft_loss=0.4,
-                                                             label_smoothing=0.1, softcap=3.0, logit_scale=1.3,
-                                                             temperature=1.5, chunk_size=5)),
-    ("topk_bin_hard", "topk_log_probs", dict(), dict(topk_tail="bin", weight_hard_loss=0.5, label_smoothing=0.2,
-                                                     chunk_size=5)),
+    (
+        "hard_smoothing_softcap",
+        "probs",
+        dict(bias=True),
+        dict(
+            weight_hard_loss=0.7,
+            weight_soft_loss=0.4,
+            label_smoothing=0.1,
+            softcap=3.0,
+            logit_scale=1.3,
+            temperature=1.5,
+            chunk_size=5,
+        ),
+    ),
+    (
+        "topk_bin_hard",
+        "topk_log_probs",
+        dict(),
+        dict(topk_tail="bin", weight_hard_loss=0.5, label_smoothing=0.2, chunk_size=5),
+    ),
     ("topk_renormalize", "topk_log_probs", dict(k=7), dict(topk_tail="renormalize", temperature=0.7)),
     ("topk_drop_softcap", "topk_log_probs", dict(bias=True), dict(topk_tail="drop", softcap=2.0)),
-    ("hidden_jsd", "hidden", dict(bias=True), dict(beta=0.3, teacher_softcap=4.0, teacher_logit_scale=0.8,
-                                                   chunk_size=4)),
+    (
+        "hidden_jsd",
+        "hidden",
+        dict(bias=True),
+        dict(beta=0.3, teacher_softcap=4.0, teacher_logit_scale=0.8, chunk_size=4),
+    ),
     ("bfloat16_forward", "probs", dict(dtype=torch.bfloat16), dict(accum_dtype=torch.float32)),
     ("cross_entropy", None, dict(), dict(label_smoothing=0.1, softcap=4.0)),
 ]
@@ -128,12 +147,13 @@ def _validation(rank: int, world: int) -> None:
     _raises(_call(vocab_of(short, rank, world, "probs"), vocab_group=g), "x:", "disagree on N")
     _raises(_call(p, batch_group=g, reduction="sum" if rank else "batchmean"), "batch_group:", "options")
     # One rank's own arguments are rejected: it raises its error, the other says which rank.
-    _raises(_call(p, batch_group=g, temperature=-1.0 if rank else 1.0),
-            "temperature:" if rank else "rank(s) [1]")
+    _raises(_call(p, batch_group=g, temperature=-1.0 if rank else 1.0), "temperature:" if rank else "rank(s) [1]")
     t = problem("topk_log_probs")
     bad = {**t, "target_indices": t["target_indices"] + 100} if rank == 0 else t
-    _raises(_call(vocab_of(bad, rank, world, "topk_log_probs"), target_format="topk_log_probs", vocab_group=g),
-            "rank(s) [0]" if rank else "target_indices:")
+    _raises(
+        _call(vocab_of(bad, rank, world, "topk_log_probs"), target_format="topk_log_probs", vocab_group=g),
+        "rank(s) [0]" if rank else "target_indices:",
+    )
     _raises(_call(p, batch_group=g, backend="jax"), "backend:", "one device")
     _raises(_call(p, vocab_group=g, batch_group=g), "batch_group, vocab_group:")
     # The group is still in step: a good call works.
