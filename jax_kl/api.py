@@ -12,16 +12,17 @@ from jax import lax
 from .autograd import fused_linear_loss
 from .backends import compute_of
 from .layout import Layout
-from .sharding import run_sharded, vocab_shards_inside
+from .sharding import run_inside, run_sharded, vocab_shards_inside
 from .teachers import TeacherArrays
 from .validate import validate
 
 
 def _run(arrays: dict[str, Any], with_teacher: bool, mesh, batch_axis, vocab_axis, options: dict[str, Any]):
     inside = mesh is None and (batch_axis is not None or vocab_axis is not None)
-    shards = vocab_shards_inside(vocab_axis) if inside else 1
-    shapes, loss, run = validate(arrays, shards, with_teacher=with_teacher,
-                                 single_device=mesh is None and not inside, **options)
+    shards = vocab_shards_inside(batch_axis, vocab_axis) if inside else 1
+    shapes, loss, run = validate(
+        arrays, shards, with_teacher=with_teacher, single_device=mesh is None and not inside, **options
+    )
     n = shapes.n
 
     def rows(name: str, width: int | None):
@@ -34,8 +35,10 @@ def _run(arrays: dict[str, Any], with_teacher: bool, mesh, batch_axis, vocab_axi
     target = rows("target", shapes.t)
     teacher = TeacherArrays(
         None if target is None else lax.stop_gradient(target),
-        *(None if arrays.get(k) is None else lax.stop_gradient(jnp.asarray(arrays[k]))
-          for k in ("teacher_weight", "teacher_bias")),
+        *(
+            None if arrays.get(k) is None else lax.stop_gradient(jnp.asarray(arrays[k]))
+            for k in ("teacher_weight", "teacher_bias")
+        ),
         rows("target_indices", shapes.t),
     )
     x = rows("x", shapes.h)
@@ -46,6 +49,8 @@ def _run(arrays: dict[str, Any], with_teacher: bool, mesh, batch_axis, vocab_axi
     layout = Layout(batch_axis, vocab_axis)
     if mesh is not None:
         return run_sharded(mesh, layout, x, weight, bias, teacher, labels, loss, run, compute)
+    if inside:
+        return run_inside(layout, x, weight, bias, teacher, labels, loss, run, compute)
     return fused_linear_loss(x, weight, bias, teacher, labels, loss, run, layout, compute)
 
 
@@ -91,14 +96,36 @@ def fused_linear_kl_div(
     arrays get a zero gradient (``stop_gradient``). Works under ``jax.jit``, ``jax.grad``,
     ``jax.lax.scan``, ``jax.checkpoint`` and ``jax.vmap``.
     """
-    arrays = dict(x=x, weight=weight, target=target, labels=labels, bias=bias, teacher_weight=teacher_weight,
-                  teacher_bias=teacher_bias, target_indices=target_indices)
-    options = dict(reduction=reduction, ignore_index=ignore_index, temperature=temperature, eps=eps,
-                   target_format=target_format, teacher_temperature=teacher_temperature, accum_dtype=accum_dtype,
-                   chunk_size=chunk_size, backend=backend, beta=beta, weight_hard_loss=weight_hard_loss,
-                   weight_soft_loss=weight_soft_loss, label_smoothing=label_smoothing, logit_scale=logit_scale,
-                   softcap=softcap, topk_tail=topk_tail, teacher_logit_scale=teacher_logit_scale,
-                   teacher_softcap=teacher_softcap)
+    arrays = dict(
+        x=x,
+        weight=weight,
+        target=target,
+        labels=labels,
+        bias=bias,
+        teacher_weight=teacher_weight,
+        teacher_bias=teacher_bias,
+        target_indices=target_indices,
+    )
+    options = dict(
+        reduction=reduction,
+        ignore_index=ignore_index,
+        temperature=temperature,
+        eps=eps,
+        target_format=target_format,
+        teacher_temperature=teacher_temperature,
+        accum_dtype=accum_dtype,
+        chunk_size=chunk_size,
+        backend=backend,
+        beta=beta,
+        weight_hard_loss=weight_hard_loss,
+        weight_soft_loss=weight_soft_loss,
+        label_smoothing=label_smoothing,
+        logit_scale=logit_scale,
+        softcap=softcap,
+        topk_tail=topk_tail,
+        teacher_logit_scale=teacher_logit_scale,
+        teacher_softcap=teacher_softcap,
+    )
     return _run(arrays, True, mesh, batch_axis, vocab_axis, options)
 
 
@@ -123,7 +150,16 @@ def fused_linear_cross_entropy(
     """``torch.nn.functional.cross_entropy`` of the head's logits, fused the same way: no teacher,
     ``"mean"`` divides by the kept rows as torch does."""
     arrays = dict(x=x, weight=weight, labels=labels, bias=bias)
-    options = dict(reduction="batchmean" if reduction == "mean" else reduction, ignore_index=ignore_index,
-                   label_smoothing=label_smoothing, logit_scale=logit_scale, softcap=softcap, accum_dtype=accum_dtype,
-                   chunk_size=chunk_size, backend=backend, weight_hard_loss=1.0, weight_soft_loss=0.0)
+    options = dict(
+        reduction="batchmean" if reduction == "mean" else reduction,
+        ignore_index=ignore_index,
+        label_smoothing=label_smoothing,
+        logit_scale=logit_scale,
+        softcap=softcap,
+        accum_dtype=accum_dtype,
+        chunk_size=chunk_size,
+        backend=backend,
+        weight_hard_loss=1.0,
+        weight_soft_loss=0.0,
+    )
     return _run(arrays, False, mesh, batch_axis, vocab_axis, options)

@@ -93,7 +93,7 @@ def forward(
         return grad.astype(dtype)
 
     grad_x = unscaled(grad_x, x.dtype)
-    if layout.vocab_axis is not None:
+    if layout.vocab_axis is not None and layout.sum_grad_x:
         grad_x = layout.vocab_sum(grad_x)
     grad_b = None if bias is None else unscaled(grad_b, bias.dtype)
     return total, grad_x, unscaled(grad_w, weight.dtype), grad_b

@@ -4,7 +4,8 @@ of ``torch_kl/layout.py``), as named-axis collectives inside ``shard_map``.
 ``SINGLE`` runs no collective. With ``batch_axis`` each device holds some rows: the kept-row
 count is summed over that axis. With ``vocab_axis`` each holds a contiguous ``V / G`` slice
 of the head: row statistics, phase 2's sums and the forward KL's row sums are all-reduced, and
-so is ``grad_x`` at the end.
+so is ``grad_x`` at the end unless ``sum_grad_x`` is False (inside the caller's ``shard_map``,
+whose transpose may do that sum itself: ``jax_kl.sharding``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from fused_kl import rowmath
 class Layout:
     batch_axis: str | tuple[str, ...] | None = None
     vocab_axis: str | tuple[str, ...] | None = None
+    sum_grad_x: bool = True
 
     @property
     def vocab_shards(self) -> int:

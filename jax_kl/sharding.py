@@ -3,22 +3,39 @@
 With ``mesh``, a ``custom_vjp`` wraps one ``shard_map`` that computes the loss and the
 gradients of each device's blocks with explicit collectives (``jax_kl.layout``): the loss and
 the head's gradients are summed over the batch axis, ``grad_x`` over the vocabulary axis. The
-gradients come back sharded like their inputs.
+gradients come back sharded like their inputs. No ``shard_map`` is ever transposed.
+
+Inside the caller's ``shard_map`` (axis names, no ``mesh``), a ``custom_vjp`` returns the
+global loss on every device, and its backward rule gives each device's blocks the cotangents
+that the caller's ``shard_map`` expects, which depend on its ``check_vma``:
+
+* ``check_vma=True``: the loss is invariant over the axes and its cotangent arrives whole.
+  Each gradient is summed over the axes it varies over and its input does not (the transpose
+  of the implicit ``pvary`` of an invariant input): ``grad_x`` over the vocabulary axis (its
+  partial products), ``grad_weight`` / ``grad_bias`` over the batch axis (the rows' shares).
+* ``check_vma=False``: the transpose of ``shard_map`` divides a replicated output's cotangent
+  by the axes' sizes and psums each input's cotangent over the axes its spec leaves out. So
+  the rule sums the cotangent over the layout's axes (every device's loss depends on every
+  device's blocks) and returns the local partial gradients; the ``shard_map`` sums them.
+
+Either way the gradients are neither multiplied by an axis size nor left partial.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 from collections.abc import Callable
 
-
+import jax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from fused_kl.loss import Loss
 from fused_kl.options import RunOptions
 
-from .autograd import fused_linear_loss
+from .autograd import _scale, fused_linear_loss
 from .layout import Layout
 from .teachers import TeacherArrays
 
@@ -28,16 +45,40 @@ except ImportError:  # pragma: no cover - older jax
     from jax.experimental.shard_map import shard_map as _shard_map
 
 
-def vocab_shards_inside(vocab_axis) -> int:
-    """The size of ``vocab_axis`` inside the caller's ``shard_map`` (1 for None)."""
-    if vocab_axis is None:
-        return 1
-    try:
-        return int(lax.psum(1, vocab_axis))
-    except NameError:
-        raise ValueError(
-            f"vocab_axis: {vocab_axis!r} is not an axis of an enclosing shard_map; pass mesh= with global arrays"
-        ) from None
+def _names(axis) -> tuple[str, ...]:
+    return () if axis is None else tuple(axis) if isinstance(axis, tuple) else (axis,)
+
+
+def _varying(a) -> frozenset:
+    """The mesh axes ``a`` varies over (empty under ``check_vma=False``)."""
+    aval = jax.typeof(a)
+    mat = getattr(aval, "mat", None)
+    return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
+
+
+def vocab_shards_inside(batch_axis, vocab_axis) -> int:
+    """The size of ``vocab_axis`` inside the caller's ``shard_map`` (1 for None), after checking
+    that both axes are axes of an enclosing ``shard_map``."""
+    sizes = {}
+    for name, axis in (("batch_axis", batch_axis), ("vocab_axis", vocab_axis)):
+        if axis is None:
+            continue
+        try:
+            sizes[name] = int(lax.psum(1, axis))
+        except NameError:
+            raise ValueError(
+                f"{name}: {axis!r} is not an axis of an enclosing shard_map; pass mesh= with global arrays"
+            ) from None
+    _distinct(batch_axis, vocab_axis)
+    return sizes.get("vocab_axis", 1)
+
+
+def _distinct(batch_axis, vocab_axis) -> None:
+    if set(_names(batch_axis)) & set(_names(vocab_axis)):
+        raise ValueError(f"batch_axis, vocab_axis: expected different mesh axes, got {batch_axis!r} and {vocab_axis!r}")
+
+
+# -- mesh=: global arrays -------------------------------------------------------------------
 
 
 def _teacher_specs(loss: Loss, teacher: TeacherArrays, b, v) -> TeacherArrays:
@@ -51,11 +92,27 @@ def _teacher_specs(loss: Loss, teacher: TeacherArrays, b, v) -> TeacherArrays:
     )
 
 
-def _sharded(mesh, inner: Callable, x, weight, bias, teacher, labels, loss: Loss, run: RunOptions, layout: Layout,
-             with_grads: bool):
+def _sharded(
+    mesh,
+    inner: Callable,
+    x,
+    weight,
+    bias,
+    teacher,
+    labels,
+    loss: Loss,
+    run: RunOptions,
+    layout: Layout,
+    with_grads: bool,
+):
     b, v = layout.batch_axis, layout.vocab_axis
-    in_specs = (P(b, None), P(v, None), None if bias is None else P(v), _teacher_specs(loss, teacher, b, v),
-                None if labels is None else P(b))
+    in_specs = (
+        P(b, None),
+        P(v, None),
+        None if bias is None else P(v),
+        _teacher_specs(loss, teacher, b, v),
+        None if labels is None else P(b),
+    )
 
     def local(x, weight, bias, teacher, labels):
         value, gx, gw, gb = inner(x, weight, bias, teacher, labels, loss, run, layout, with_grads)
@@ -68,18 +125,75 @@ def _sharded(mesh, inner: Callable, x, weight, bias, teacher, labels, loss: Loss
     grads_specs = (P(b, None), P(v, None), None if bias is None else P(v)) if with_grads else (None, None, None)
     out_specs = (P(), *grads_specs)
     return _shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(
-        x, weight, bias, teacher, labels)
+        x, weight, bias, teacher, labels
+    )
 
 
 def run_sharded(mesh, layout: Layout, x, weight, bias, teacher, labels, loss: Loss, run: RunOptions, compute):
     """The loss of global arrays on ``mesh``, under ``custom_vjp``."""
+    _distinct(layout.batch_axis, layout.vocab_axis)
+    sizes = {}
     for name, axis in (("batch_axis", layout.batch_axis), ("vocab_axis", layout.vocab_axis)):
-        if axis is not None and axis not in mesh.axis_names:
+        missing = [a for a in _names(axis) if a not in mesh.axis_names]
+        if missing:
             raise ValueError(f"{name}: expected one of the mesh's axes {mesh.axis_names}, got {axis!r}")
-    if layout.vocab_axis is not None and weight.shape[0] % mesh.shape[layout.vocab_axis]:
-        raise ValueError(f"weight: V = {weight.shape[0]} is not divisible by the {mesh.shape[layout.vocab_axis]} "
-                         f"devices of vocab_axis {layout.vocab_axis!r}")
+        sizes[name] = math.prod(mesh.shape[a] for a in _names(axis))
+    for arg, size, axis, what in (
+        ("x", x.shape[0], "batch_axis", "N = {} rows"),
+        ("weight", weight.shape[0], "vocab_axis", "V = {}"),
+    ):
+        if size % sizes[axis]:
+            raise ValueError(
+                f"{arg}: {what.format(size)} is not divisible by the {sizes[axis]} devices of {axis} "
+                f"{getattr(layout, axis)!r}"
+            )
     sharded = functools.partial(_sharded, mesh, compute)
     return fused_linear_loss(x, weight, bias, teacher, labels, loss, run, layout, sharded)
 
 
+# -- inside the caller's shard_map ------------------------------------------------------------
+
+
+def run_inside(layout: Layout, x, weight, bias, teacher, labels, loss: Loss, run: RunOptions, compute):
+    """The global loss from this device's blocks, inside the caller's ``shard_map``."""
+    axes = _names(layout.batch_axis) + _names(layout.vocab_axis)
+    checked = any(a in _varying(lax.axis_index(a)) for a in axes)
+    if checked and run.backend == "pallas":
+        raise ValueError(
+            "backend: 'pallas' cannot run inside a shard_map with check_vma=True (Pallas does not track the varying "
+            "axes of its outputs); pass check_vma=False to shard_map, use mesh= with global arrays, or backend='xla'"
+        )
+    inputs = tuple(None if a is None else _varying(a) for a in (x, weight, bias))
+    local = dataclasses.replace(layout, sum_grad_x=False)
+    return _inside(x, weight, bias, teacher, labels, loss, run, local, compute, (checked, axes, inputs))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
+def _inside(x, weight, bias, teacher, labels, loss, run, layout: Layout, compute, how):
+    return layout.batch_sum(compute(x, weight, bias, teacher, labels, loss, run, layout, False)[0])
+
+
+def _inside_forward(x, weight, bias, teacher, labels, loss, run, layout, compute, how):
+    value, grad_x, grad_w, grad_b = compute(x, weight, bias, teacher, labels, loss, run, layout, True)
+    return layout.batch_sum(value), (grad_x, grad_w, grad_b)
+
+
+def _inside_backward(loss, run, layout, compute, how, res, ct):
+    del loss, run, layout, compute
+    checked, axes, inputs = how
+    if not checked:
+        ct = lax.psum(ct, axes)
+        return (*(_scale(g, ct) for g in res), None, None)
+    grads = []
+    for grad, varying in zip(res, inputs, strict=True):
+        if grad is not None:
+            grad = _scale(grad, ct)
+            if extra := tuple(sorted(_varying(grad) - varying)):
+                grad = lax.psum(grad, extra)
+            if missing := tuple(sorted(varying - _varying(grad))):
+                grad = lax.pcast(grad, missing, to="varying")
+        grads.append(grad)
+    return (*grads, None, None)
+
+
+_inside.defvjp(_inside_forward, _inside_backward)

@@ -1,0 +1,199 @@
+"""The sharded JAX checks, on 4 CPU devices: ``python jax_worker.py OUT``.
+
+``test_jax_sharding.py`` runs this with ``XLA_FLAGS=--xla_force_host_platform_device_count=4``
+set before JAX starts. Each case compares a sharded run under ``jax.jit(jax.value_and_grad)``
+with the single-device run on the whole arrays, and writes ``{case: None or the traceback}``
+to ``OUT/jax.json``. Modes: ``mesh`` (global arrays, ``mesh=``), ``inside`` / ``unchecked``
+(local blocks in the caller's ``shard_map`` with ``check_vma`` True / False).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_kl
+
+CASES: dict[str, Callable[[], None]] = {}
+LAYOUTS = {"b": ("b", None), "v": (None, "v"), "bv": ("b", "v")}
+MODES = ("mesh", "inside", "unchecked")
+DENSE = ("probs", "log_probs", "logits")
+ARRAYS = ("x", "weight", "bias", "target", "labels", "teacher_weight", "teacher_bias", "target_indices")
+UPSTREAM = 2.5  # the loss enters a larger function: every gradient scales by it
+
+
+def problem(fmt: str, *, n=16, h=8, v=24, k=6, ht=6, bias=False, seed=0) -> dict:
+    """Whole arrays; rows 9..15 mostly ignored, so the batch shards keep unequal counts."""
+    rng = np.random.default_rng(seed)
+    p = {"x": rng.standard_normal((n, h)), "weight": rng.standard_normal((v, h)) * 2 / h**0.5}
+    if bias:
+        p["bias"] = rng.standard_normal(v)
+    raw = rng.standard_normal((n, v)) * 2
+    log_p = raw - np.log(np.exp(raw).sum(-1, keepdims=True))
+    if fmt in DENSE:
+        p["target"] = {"probs": np.exp(log_p), "log_probs": log_p, "logits": raw}[fmt]
+    elif fmt == "hidden":
+        p["target"] = rng.standard_normal((n, ht))
+        p["teacher_weight"] = rng.standard_normal((v, ht)) * 2 / ht**0.5
+        p["teacher_bias"] = rng.standard_normal(v)
+    elif fmt == "topk_log_probs":
+        idx = np.argsort(rng.random((n, v)), -1)[:, :k]
+        t = np.take_along_axis(log_p, idx, 1)
+        t[::3, -1] = -np.inf
+        p["target"], p["target_indices"] = t, idx.astype(np.int32)
+    labels = rng.integers(0, v, n).astype(np.int32)
+    labels[[3, 9, 10, 11, 13, 14]] = -100
+    p["labels"] = labels
+    return {k: jnp.asarray(a, jnp.int32 if a.dtype.kind == "i" else jnp.float32) for k, a in p.items()}
+
+
+def specs(p: dict, fmt: str, b, v) -> dict:
+    rows = P(b, v) if fmt in DENSE else P(b, None)
+    table = {"x": P(b, None), "weight": P(v, None), "bias": P(v), "target": rows, "labels": P(b),
+             "teacher_weight": P(v, None), "teacher_bias": P(v), "target_indices": P(b, None)}  # fmt: skip
+    return {k: table[k] for k in p}
+
+
+def loss_fn(fmt: str | None, options: dict) -> Callable:
+    def f(arrays: dict, **layout):
+        a = dict(arrays)
+        if fmt is None:
+            a.pop("target")
+            return jax_kl.fused_linear_cross_entropy(**a, **options, **layout)
+        return jax_kl.fused_linear_kl_div(**a, target_format=fmt, **options, **layout)
+
+    return f
+
+
+def run(fmt: str | None, p: dict, options: dict, mode: str | None = None, layout: str = "bv", mesh=None):
+    """``(loss, grads of x, weight, bias, sharded grads)`` of ``UPSTREAM * loss``."""
+    f = loss_fn(fmt, options)
+    diff = {k: p[k] for k in ("x", "weight", "bias") if k in p}
+    rest = {k: a for k, a in p.items() if k not in diff}
+    b, v = LAYOUTS[layout]
+    sp = specs(p, fmt or "probs", b, v)
+
+    def total(diff, rest):
+        arrays = {**diff, **rest}
+        if mode is None:
+            return f(arrays) * UPSTREAM
+        if mode == "mesh":
+            return f(arrays, mesh=mesh, batch_axis=b, vocab_axis=v) * UPSTREAM
+        body = lambda arrays: f(arrays, batch_axis=b, vocab_axis=v) * UPSTREAM
+        return jax.shard_map(body, mesh=mesh, in_specs=(sp,), out_specs=P(), check_vma=mode == "inside")(arrays)
+
+    if mode == "mesh":
+        diff = {k: jax.device_put(a, NamedSharding(mesh, sp[k])) for k, a in diff.items()}
+        rest = {k: jax.device_put(a, NamedSharding(mesh, sp[k])) for k, a in rest.items()}
+    value, grads = jax.jit(jax.value_and_grad(total))(diff, rest)
+    return float(value) / UPSTREAM, {k: g / UPSTREAM for k, g in grads.items()}, sp
+
+
+def close(what: str, got, want, tol: float = 2e-5) -> None:
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
+    denom = max(float(np.linalg.norm(want)), 1e-2)
+    err = float(np.linalg.norm(got - want)) / denom
+    assert err <= tol, f"{what}: relative error {err:.3g} > {tol}"
+
+
+def layouts_case(fmt: str | None, pkw: dict, options: dict, layout: str, modes: tuple[str, ...]) -> Callable:
+    def body() -> None:
+        mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("b", "v"))
+        p = problem(fmt or "probs", **pkw)
+        want_loss, want, _ = run(fmt, p, options)
+        for mode in modes:
+            loss, grads, sp = run(fmt, p, options, mode, layout, mesh)
+            close(f"{mode}: loss", loss, want_loss)
+            for k, g in grads.items():
+                close(f"{mode}: grad_{k}", g, want[k])
+                if mode == "mesh":  # sharded like its input
+                    assert g.sharding.is_equivalent_to(NamedSharding(mesh, sp[k]), g.ndim), (k, g.sharding)
+
+    return body
+
+
+MATRIX = [  # (name, format, problem keywords, options, layouts)
+    ("forward_probs_bias", "probs", dict(bias=True), dict(chunk_size=3), ("b", "v", "bv")),
+    ("hard_smoothing_softcap", "probs", dict(bias=True),
+     dict(weight_hard_loss=0.7, weight_soft_loss=0.4, label_smoothing=0.1, softcap=3.0, logit_scale=1.3,
+          temperature=1.5, chunk_size=5), ("b", "v", "bv")),
+    ("reverse_log_probs_sum", "log_probs", dict(), dict(beta=1.0, reduction="sum"), ("bv",)),
+    ("jsd_logits_mean", "logits", dict(), dict(beta=0.5, reduction="mean", temperature=2.0, teacher_temperature=1.5),
+     ("bv",)),
+    ("topk_bin_hard", "topk_log_probs", dict(), dict(weight_hard_loss=0.5, label_smoothing=0.2, chunk_size=5),
+     ("v", "bv")),
+    ("topk_renormalize", "topk_log_probs", dict(bias=True), dict(topk_tail="renormalize", softcap=2.0), ("bv",)),
+    ("hidden_jsd", "hidden", dict(bias=True), dict(beta=0.3, teacher_softcap=4.0, chunk_size=4), ("bv",)),
+    ("cross_entropy", None, dict(), dict(label_smoothing=0.1, softcap=4.0), ("bv",)),
+]  # fmt: skip
+for _name, _fmt, _pkw, _options, _layouts in MATRIX:
+    for _layout in _layouts:
+        CASES[f"{_name}[{_layout}]"] = layouts_case(_fmt, _pkw, _options, _layout, MODES)
+# Pallas does not track varying axes: check_vma=True is refused for it (see "validation").
+CASES["pallas_forward[bv]"] = layouts_case("probs", dict(bias=True), dict(backend="pallas", chunk_size=8), "bv",
+                                           ("mesh", "unchecked"))  # fmt: skip
+
+
+def _raises(fn: Callable, *needles: str) -> None:
+    try:
+        fn()
+    except ValueError as e:
+        missing = [s for s in needles if s not in str(e)]
+        assert not missing, f"error lacks {missing}: {e}"
+        return
+    raise AssertionError(f"no ValueError (expected one saying {needles})")
+
+
+def _validation() -> None:
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("b", "v"))
+    p = problem("probs")
+    f = loss_fn("probs", {})
+    odd_v = {**p, "weight": p["weight"][:23], "target": p["target"][:, :23]}
+    _raises(lambda: f(odd_v, mesh=mesh, vocab_axis="v"), "weight:", "divisible")
+    odd_n = {k: p[k][:15] if k in ("x", "target", "labels") else p[k] for k in p}
+    _raises(lambda: f(odd_n, mesh=mesh, batch_axis="b"), "x:", "divisible")
+    _raises(lambda: f(p, mesh=mesh, batch_axis="rows"), "batch_axis:", "mesh's axes")
+    _raises(lambda: f(p, mesh=mesh, batch_axis="b", vocab_axis="b"), "batch_axis, vocab_axis:")
+    _raises(lambda: f(p, vocab_axis="v"), "vocab_axis:", "not an axis")
+    _raises(lambda: loss_fn("probs", dict(backend="triton"))(p, mesh=mesh, batch_axis="b"), "backend:", "one device")
+    sp = specs(p, "probs", "b", None)
+    inside = jax.shard_map(lambda a: loss_fn("probs", dict(backend="triton"))(a, batch_axis="b"), mesh=mesh,
+                           in_specs=(sp,), out_specs=P(), check_vma=False)  # fmt: skip
+    _raises(lambda: inside(p), "backend:", "one device")
+    pallas = jax.shard_map(lambda a: loss_fn("probs", dict(backend="pallas"))(a, batch_axis="b"), mesh=mesh,
+                           in_specs=(sp,), out_specs=P(), check_vma=True)  # fmt: skip
+    _raises(lambda: pallas(p), "backend:", "check_vma=False")
+
+
+CASES["validation"] = _validation
+
+
+def main() -> None:
+    out = sys.argv[1]
+    assert jax.device_count() >= 4, f"{jax.device_count()} devices: set XLA_FLAGS before JAX starts"
+    only = sys.argv[2:]  # case names, for running a few by hand
+    results: dict[str, str | None] = {}
+    for name, fn in CASES.items():
+        if only and name not in only:
+            continue
+        try:
+            fn()
+            results[name] = None
+        except Exception:
+            results[name] = traceback.format_exc()
+    with open(os.path.join(out, "jax.json"), "w") as f:
+        json.dump(results, f)
+
+
+if __name__ == "__main__":
+    main()
