@@ -91,7 +91,10 @@ def _facts(arrays: dict[str, object], shapes: Shapes, loss: Loss, run: RunOption
     """What ``Layout.agree`` compares across ranks: sizes, and a digest of everything else."""
     given = tuple(sorted(k for k, a in arrays.items() if a is not None))
     dtypes = tuple(str(arrays[k].dtype) for k in given)  # type: ignore[attr-defined]
-    call = repr((loss, run.chunk_size, run.accum_dtype, given, dtypes))
+    # Which gradients are made decides the collectives too (grad_x's all-reduce over vocab_group).
+    wanted = [arrays[k] for k in ("x", "weight", "bias") if k in given]
+    grads = tuple(torch.is_grad_enabled() and a.requires_grad for a in wanted)  # type: ignore[attr-defined]
+    call = repr((loss, run.chunk_size, run.accum_dtype, given, dtypes, grads))
     return shapes.n, shapes.h, shapes.v, shapes.t, zlib.crc32(call.encode())
 
 

@@ -31,7 +31,7 @@ ARRAYS = ("x", "weight", "bias", "target", "labels", "teacher_weight", "teacher_
 UPSTREAM = 2.5  # the loss enters a larger function: every gradient scales by it
 
 
-def problem(fmt: str, *, n=16, h=8, v=24, k=6, ht=6, bias=False, seed=0) -> dict:
+def problem(fmt: str, *, n=16, h=8, v=24, k=6, ht=6, bias=False, labels=True, seed=0) -> dict:
     """Whole arrays; rows 9..15 mostly ignored, so the batch shards keep unequal counts."""
     rng = np.random.default_rng(seed)
     p = {"x": rng.standard_normal((n, h)), "weight": rng.standard_normal((v, h)) * 2 / h**0.5}
@@ -50,9 +50,9 @@ def problem(fmt: str, *, n=16, h=8, v=24, k=6, ht=6, bias=False, seed=0) -> dict
         t = np.take_along_axis(log_p, idx, 1)
         t[::3, -1] = -np.inf
         p["target"], p["target_indices"] = t, idx.astype(np.int32)
-    labels = rng.integers(0, v, n).astype(np.int32)
-    labels[[3, 9, 10, 11, 13, 14]] = -100
-    p["labels"] = labels
+    if labels:
+        p["labels"] = rng.integers(0, v, n).astype(np.int32)
+        p["labels"][[3, 9, 10, 11, 13, 14]] = -100
     return {k: jnp.asarray(a, jnp.int32 if a.dtype.kind == "i" else jnp.float32) for k, a in p.items()}
 
 
@@ -74,8 +74,10 @@ def loss_fn(fmt: str | None, options: dict) -> Callable:
     return f
 
 
-def run(fmt: str | None, p: dict, options: dict, mode: str | None = None, layout: str = "bv", mesh=None):
-    """``(loss, grads of x, weight, bias, sharded grads)`` of ``UPSTREAM * loss``."""
+def run(fmt: str | None, p: dict, options: dict, mode: str | None = None, layout: str = "bv", mesh=None,
+        grad: bool = True):  # fmt: skip
+    """``(loss, gradients of x, weight and bias, specs)`` of ``UPSTREAM * loss``; ``grad=False``:
+    the loss alone, outside ``jax.grad`` (no gradients)."""
     f = loss_fn(fmt, options)
     diff = {k: p[k] for k in ("x", "weight", "bias") if k in p}
     rest = {k: a for k, a in p.items() if k not in diff}
@@ -94,6 +96,8 @@ def run(fmt: str | None, p: dict, options: dict, mode: str | None = None, layout
     if mode == "mesh":
         diff = {k: jax.device_put(a, NamedSharding(mesh, sp[k])) for k, a in diff.items()}
         rest = {k: jax.device_put(a, NamedSharding(mesh, sp[k])) for k, a in rest.items()}
+    if not grad:
+        return float(jax.jit(total)(diff, rest)) / UPSTREAM, {}, sp
     value, grads = jax.jit(jax.value_and_grad(total))(diff, rest)
     return float(value) / UPSTREAM, {k: g / UPSTREAM for k, g in grads.items()}, sp
 
@@ -106,13 +110,15 @@ def close(what: str, got, want, tol: float = 2e-5) -> None:
     assert err <= tol, f"{what}: relative error {err:.3g} > {tol}"
 
 
-def layouts_case(fmt: str | None, pkw: dict, options: dict, layout: str, modes: tuple[str, ...]) -> Callable:
+def layouts_case(
+    fmt: str | None, pkw: dict, options: dict, layout: str, modes: tuple[str, ...], grad: bool = True
+) -> Callable:
     def body() -> None:
         mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("b", "v"))
         p = problem(fmt or "probs", **pkw)
         want_loss, want, _ = run(fmt, p, options)
         for mode in modes:
-            loss, grads, sp = run(fmt, p, options, mode, layout, mesh)
+            loss, grads, sp = run(fmt, p, options, mode, layout, mesh, grad)
             close(f"{mode}: loss", loss, want_loss)
             for k, g in grads.items():
                 close(f"{mode}: grad_{k}", g, want[k])
@@ -123,22 +129,24 @@ def layouts_case(fmt: str | None, pkw: dict, options: dict, layout: str, modes: 
 
 
 MATRIX = [  # (name, format, problem keywords, options, layouts)
-    ("forward_probs_bias", "probs", dict(bias=True), dict(chunk_size=3), ("b", "v", "bv")),
+    ("forward_probs_bias", "probs", dict(bias=True), dict(chunk_size=6), ("b", "v", "bv")),
     ("hard_smoothing_softcap", "probs", dict(bias=True),
      dict(weight_hard_loss=0.7, weight_soft_loss=0.4, label_smoothing=0.1, softcap=3.0, logit_scale=1.3,
-          temperature=1.5, chunk_size=5), ("b", "v", "bv")),
+          temperature=1.5, chunk_size=6), ("b", "v", "bv")),
+    ("no_labels_logits", "logits", dict(labels=False, bias=True), dict(temperature=0.8, chunk_size=5), ("bv",)),
     ("reverse_log_probs_sum", "log_probs", dict(), dict(beta=1.0, reduction="sum"), ("bv",)),
     ("jsd_logits_mean", "logits", dict(), dict(beta=0.5, reduction="mean", temperature=2.0, teacher_temperature=1.5),
      ("bv",)),
     ("topk_bin_hard", "topk_log_probs", dict(), dict(weight_hard_loss=0.5, label_smoothing=0.2, chunk_size=5),
      ("v", "bv")),
     ("topk_renormalize", "topk_log_probs", dict(bias=True), dict(topk_tail="renormalize", softcap=2.0), ("bv",)),
-    ("hidden_jsd", "hidden", dict(bias=True), dict(beta=0.3, teacher_softcap=4.0, chunk_size=4), ("bv",)),
+    ("hidden_jsd", "hidden", dict(bias=True), dict(beta=0.3, teacher_softcap=4.0, chunk_size=6), ("bv",)),
     ("cross_entropy", None, dict(), dict(label_smoothing=0.1, softcap=4.0), ("bv",)),
 ]  # fmt: skip
 for _name, _fmt, _pkw, _options, _layouts in MATRIX:
     for _layout in _layouts:
         CASES[f"{_name}[{_layout}]"] = layouts_case(_fmt, _pkw, _options, _layout, MODES)
+CASES["loss_only[bv]"] = layouts_case("probs", dict(bias=True), dict(chunk_size=6), "bv", MODES, grad=False)
 # Pallas does not track varying axes: check_vma=True is refused for it (see "validation").
 CASES["pallas_forward[bv]"] = layouts_case("probs", dict(bias=True), dict(backend="pallas", chunk_size=8), "bv",
                                            ("mesh", "unchecked"))  # fmt: skip

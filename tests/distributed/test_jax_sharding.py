@@ -16,15 +16,14 @@ from pathlib import Path
 
 import pytest
 from jax_worker import CASES
+from spawned import once
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent.parent
 TIMEOUT_S = 300
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str | None]:
-    out = tmp_path_factory.mktemp("jax_devices")
+def _run_devices(out: Path) -> dict[str, str | None]:
     env = {
         **os.environ,
         "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4".strip(),
@@ -41,6 +40,11 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str | None]:
     if proc.returncode != 0 or not path.exists():
         pytest.fail(f"jax_worker.py exited with {proc.returncode}:\n{(proc.stdout + proc.stderr)[-4000:]}")
     return json.loads(path.read_text())
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str | None]:
+    return once(tmp_path_factory, "jax_devices", _run_devices)  # type: ignore[return-value]
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from spawned import once
 from torch_style_cases import STYLE_CASES
 from torch_worker import CASES
 
@@ -23,9 +24,7 @@ WORLD = 2
 TIMEOUT_S = 240
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, str | None]]:
-    out = tmp_path_factory.mktemp("torch_ranks")
+def _run_ranks(out: Path) -> list[dict[str, str | None]]:
     env = {
         **os.environ,
         "TRITON_INTERPRET": "1",
@@ -58,6 +57,11 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, str | No
             pytest.fail(f"rank {r} exited with {p.returncode}:\n{log[-4000:]}")
         found.append(json.loads(path.read_text()))
     return found
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, str | None]]:
+    return once(tmp_path_factory, "torch_ranks", _run_ranks)  # type: ignore[return-value]
 
 
 @pytest.mark.parametrize("name", [*CASES, *STYLE_CASES])

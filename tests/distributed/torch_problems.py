@@ -26,10 +26,11 @@ def problem(
     bias: bool = False,
     seed: int = 0,
     lead: int | None = None,
-    ignored: tuple[int, ...] = (6, 7, 9, 10),
+    ignored: tuple[int, ...] | None = (6, 7, 9, 10),
     dtype: torch.dtype = torch.float32,
 ) -> dict:
-    """Full inputs; rows ``ignored`` get label -100 (by default most of them in rank 1's rows).
+    """Full inputs; rows ``ignored`` get label -100 (by default most of them in rank 1's rows;
+    None: no labels).
     ``lead`` = B reshapes the rows to ``[B, n / B]``."""
     g = torch.Generator().manual_seed(seed)
     p: dict = {
@@ -54,9 +55,10 @@ def problem(
         t = raw.log_softmax(-1).gather(1, idx)
         t[::3, -1] = float("-inf")  # padding
         p["target"], p["target_indices"] = t, idx
-    labels = torch.randint(0, v, (n,), generator=g)
-    labels[list(ignored)] = -100
-    p["labels"] = labels
+    if ignored is not None:  # None: no labels
+        labels = torch.randint(0, v, (n,), generator=g)
+        labels[list(ignored)] = -100
+        p["labels"] = labels
     if lead is not None:
         for key in ("x", "target", "labels", "target_indices"):
             if key in p:

@@ -25,6 +25,7 @@ CASES: dict[str, Callable[[int, int], None]] = {}
 MATRIX = [
     ("forward_probs_bias", "probs", dict(bias=True), dict(chunk_size=3)),
     ("forward_rank1_all_ignored", "probs", dict(ignored=(5, 6, 7, 8, 9, 10, 11)), dict(chunk_size=4)),
+    ("no_labels_logits", "logits", dict(ignored=None, bias=True), dict(temperature=0.8, chunk_size=5)),
     ("nothing_kept", "log_probs", dict(ignored=tuple(range(12))), dict(reduction="sum")),
     ("reverse_log_probs_sum", "log_probs", dict(lead=2), dict(beta=1.0, reduction="sum", chunk_size=5)),
     ("jsd_logits_mean", "logits", dict(), dict(beta=0.5, reduction="mean", temperature=2.0, teacher_temperature=1.5)),
@@ -156,6 +157,8 @@ def _validation(rank: int, world: int) -> None:
     )
     _raises(_call(p, batch_group=g, backend="jax"), "backend:", "one device")
     _raises(_call(p, vocab_group=g, batch_group=g), "batch_group, vocab_group:")
+    frozen = {**p, "x": p["x"].clone().requires_grad_(rank == 0)}  # grad_x on rank 0 only: its all-reduce would hang
+    _raises(_call(vocab_of(frozen, rank, world, "probs"), vocab_group=g), "vocab_group:", "options")
     # The group is still in step: a good call works.
     vloss, _ = run(vocab_of(p, rank, world, "probs"), {}, vocab_group=g)
     check("vocab loss after the errors", vloss, run(p, {})[0], 2e-5)
