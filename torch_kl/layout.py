@@ -92,7 +92,8 @@ def _compare(name: str, group: Any, mine: list[int], device: torch.device, rows_
 
     if _dist().get_backend(group) == "gloo":
         device = torch.device("cpu")
-    gathered = funcol.all_gather_tensor(torch.tensor(mine, dtype=torch.int64, device=device), 0, group)
+    gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor  # renamed in torch 2.12
+    gathered = gather(torch.tensor(mine, dtype=torch.int64, device=device), 0, group)
     table = gathered.reshape(-1, len(FACTS)).tolist()
     failed = [r for r, row in enumerate(table) if row[0]]
     if failed:

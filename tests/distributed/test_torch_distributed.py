@@ -1,8 +1,9 @@
 """torch_kl on several ranks: rows sharded (``batch_group``), vocabulary sharded
-(``vocab_group``), the cross-rank checks and ``LinearLossParallel``, on gloo (CPU).
+(``vocab_group``), both together, the cross-rank checks and ``LinearLossParallel``, on gloo (CPU).
 
-Two ranks are started once for the whole module (``torch_worker.py``; starting gloo
-processes is the slow part) and run every case; each test reads one case's result.
+The ranks are started once per session (starting gloo processes is the slow part): two for
+``torch_worker.py``, four for the 2 x 2 grid of ``torch_grid_worker.py``; they run every case
+and each test reads one case's result.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from spawned import once
+from torch_grid_worker import CASES as GRID_CASES
 from torch_style_cases import STYLE_CASES
 from torch_worker import CASES
 
@@ -24,7 +26,7 @@ WORLD = 2
 TIMEOUT_S = 240
 
 
-def _run_ranks(out: Path) -> list[dict[str, str | None]]:
+def _run_ranks(out: Path, script: str = "torch_worker.py", world: int = WORLD) -> list[dict[str, str | None]]:
     env = {
         **os.environ,
         "TRITON_INTERPRET": "1",
@@ -34,13 +36,13 @@ def _run_ranks(out: Path) -> list[dict[str, str | None]]:
     store = out / "store"
     procs = [
         subprocess.Popen(
-            [sys.executable, str(HERE / "torch_worker.py"), str(r), str(WORLD), str(store), str(out)],
+            [sys.executable, str(HERE / script), str(r), str(world), str(store), str(out)],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
         )
-        for r in range(WORLD)
+        for r in range(world)
     ]
     logs = []
     try:
@@ -67,4 +69,17 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, str | No
 @pytest.mark.parametrize("name", [*CASES, *STYLE_CASES])
 def test_case(results: list[dict[str, str | None]], name: str) -> None:
     errors = [f"rank {r}:\n{ranks[name]}" for r, ranks in enumerate(results) if ranks.get(name, "missing") is not None]
+    assert not errors, "\n".join(errors)
+
+
+@pytest.fixture(scope="module")
+def grid_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, str | None]]:
+    run = lambda out: _run_ranks(out, "torch_grid_worker.py", 4)
+    return once(tmp_path_factory, "torch_grid", run)  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("name", list(GRID_CASES))
+def test_grid_case(grid_results: list[dict[str, str | None]], name: str) -> None:
+    """Rows and vocabulary sharded together, on four ranks."""
+    errors = [f"rank {r}:\n{ranks[name]}" for r, ranks in enumerate(grid_results) if ranks.get(name, "missing")]
     assert not errors, "\n".join(errors)
