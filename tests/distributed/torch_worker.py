@@ -120,6 +120,19 @@ for _name, _fmt, _pkw, _options in MATRIX:
         CASES[f"{_name}[{_backend}]"] = _layouts(_name, _fmt, _pkw, _options, _backend)
 
 
+@case("empty_row_shard")
+def _empty_row_shard(rank: int, world: int) -> None:
+    """Rank 0 holds no rows at all: it still joins the count of kept rows; its gradients are 0."""
+    for backend in BACKENDS:
+        p = problem(bias=True)
+        want_loss, want = run(p, {"backend": backend})
+        share, got = run(rows_of(p, rank, 0, False), {"backend": backend}, batch_group=_group())
+        total, gw = float(_all_sum(torch.tensor(share))), _all_sum(got["weight"])
+        check("sum of the ranks' losses", total, want_loss, 2e-5)
+        check("summed grad_weight", gw, want["weight"], 2e-5)
+        assert got["x"].shape[0] == (0 if rank == 0 else 12), got["x"].shape
+
+
 def _raises(fn, *needles: str) -> None:
     try:
         fn()
