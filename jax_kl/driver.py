@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from fused_kl import rowmath
+from fused_kl.chunk import ChunkOps, row_phases
 from fused_kl.loss import Loss
 from fused_kl.options import RunOptions
 from fused_kl.plan import plan_chunks
@@ -23,6 +24,19 @@ from .backends import phases_of
 from .gemm import dot
 from .layout import Layout
 from .teachers import TeacherArrays
+
+
+def _add_at(g: jax.Array, at: jax.Array, delta: jax.Array) -> jax.Array:
+    return g.at[jnp.arange(g.shape[0])[:, None], at].add(delta.astype(g.dtype))
+
+
+# The indexed operations of the per-chunk phases (fused_kl.chunk), in JAX: functional.
+OPS = ChunkOps(
+    xp=jnp,
+    gather=lambda z, at: jnp.take_along_axis(z, at, axis=1).astype(jnp.float32),
+    add_at=_add_at,
+    f32=lambda a: a.astype(jnp.float32),
+)
 
 
 def _add(acc: jax.Array | None, term: jax.Array) -> jax.Array:
@@ -67,9 +81,10 @@ def forward(
         else:
             z = (dot(xc, weight, (1, 1), jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
         t = teachers.dense_chunk(loss, teacher, start, stop, hidden)
-        g, row_loss = _rows(
-            z, t, labels, keep, teacher, start, stop, v0, v_total, weights, loss, layout, phases, plan.tile, with_grads
-        )
+        y = None if labels is None else labels[start:stop]
+        topk = None if teacher.indices is None else (teacher.target[start:stop], teacher.indices[start:stop])
+        g, row_loss = row_phases(z, t, y, keep[start:stop], topk, v0, v_total, weights, loss, layout, phases,
+                                 plan.tile, with_grads, OPS)  # fmt: skip
         row_losses.append(row_loss)
         done = row_loss
         if with_grads:
@@ -103,63 +118,3 @@ def _hidden_rows(loss: Loss, teacher: TeacherArrays, start: int, stop: int) -> j
     if loss.teacher is None or loss.teacher.format != "hidden" or not loss.soft:
         return None
     return teacher.target[start:stop]  # type: ignore[index]
-
-
-def _rows(
-    z,
-    t,
-    labels,
-    keep,
-    teacher,
-    start,
-    stop,
-    v0,
-    v_total,
-    weights,
-    loss: Loss,
-    layout: Layout,
-    phases,
-    tile,
-    write_grad: bool,
-) -> tuple[jax.Array | None, jax.Array]:
-    """The row phases of one chunk: ``(dL/dz or None, its row losses)``."""
-    keep_c = keep[start:stop]
-    y = None if labels is None else labels[start:stop]
-    y_local = y - v0 if loss.hard else None
-    stats = layout.combine_stats(phases.stats(z, t, y_local, loss, tile))
-    kind = loss.kind
-    topk = loss.soft and t is None
-    value_sums = None
-    if kind in ("reverse", "jsd"):
-        value_sums = layout.vocab_sum(phases.value(z, t, stats, loss, tile))  # reads lse, lse_teacher
-    topk_const = None
-    if topk:
-        idx = teacher.indices[start:stop]
-        local = (idx >= v0) & (idx < v0 + z.shape[1])
-        at = jnp.where(local, idx - v0, 0)
-        soft, topk_const, g_at = rowmath.topk(
-            jnp.take_along_axis(z, at, axis=1).astype(jnp.float32),
-            local,
-            teacher.target[start:stop].astype(jnp.float32),
-            idx == y[:, None] if loss.hard else False,
-            (stats[:, 0], stats[:, 1]),
-            rowmath.row_scales(keep_c, weights, loss, jnp),
-            loss,
-            v_total,
-            layout.vocab_sum,
-            jnp,
-        )
-    coefs = rowmath.coefficients(stats, keep_c, value_sums, topk_const, weights, loss, jnp)
-    g = partial = None
-    if write_grad or kind == "forward":
-        g, partial = phases.finish(z, t, y_local, coefs, loss, v_total, tile, write_grad)
-    if kind == "forward":
-        soft = layout.vocab_sum(partial)
-    elif not topk:
-        soft = rowmath.soft_rows(kind, value_sums, None, loss.beta) if loss.soft else None
-    if topk and write_grad:
-        live = (coefs[:, 4:5] != 0) | (coefs[:, 5:6] != 0)
-        delta = jnp.where(local & live, g_at - jnp.take_along_axis(g, at, axis=1).astype(jnp.float32), 0.0)
-        g = g.at[jnp.arange(g.shape[0])[:, None], at].add(delta.astype(g.dtype))
-    labels_ok = True if y is None else (y >= 0) & (y < v_total)
-    return g, rowmath.row_losses(stats, keep_c, labels_ok, soft, weights, loss, v_total, jnp)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from fused_kl import rowmath
+from fused_kl.chunk import ChunkOps, row_phases
 from fused_kl.loss import Loss
 from fused_kl.options import RunOptions
 from fused_kl.plan import plan_chunks
@@ -34,6 +35,14 @@ class Needs:
     def any(self) -> bool:
         return self.x or self.weight or self.bias
 
+
+# The indexed operations of the per-chunk phases (fused_kl.chunk), in torch: in place.
+OPS = ChunkOps(
+    xp=torch,
+    gather=lambda z, at: z.gather(1, at).float(),
+    add_at=lambda g, at, delta: g.scatter_add_(1, at, delta.to(g.dtype)),
+    f32=lambda a: a.float(),
+)
 
 _OUT_DTYPE: dict[tuple[str, torch.dtype], bool] = {}
 
@@ -150,9 +159,10 @@ def forward(
         else:
             torch.addmm(bias, xc, wt, out=z)
         t = teachers.dense_chunk(loss, teacher, start, stop, t_buf)
-        row_loss[start:stop] = _rows(
-            z, t, labels, keep, teacher, start, stop, v0, v_total, weights, loss, layout, phases, plan.tile, needs.any
-        )
+        y = None if labels is None else labels[start:stop]
+        topk = None if teacher.indices is None else (teacher.target[start:stop], teacher.indices[start:stop])
+        _, row_loss[start:stop] = row_phases(z, t, y, keep[start:stop], topk, v0, v_total, weights, loss, layout,
+                                             phases, plan.tile, needs.any, OPS)  # fmt: skip
         if grads.x is not None:
             torch.mm(z, weight, out=grads.x[start:stop])
         if grads.weight is not None:
@@ -171,63 +181,3 @@ def forward(
     grad_w = None if grads.weight is None else _cast_into(grads.weight, out.get("grad_weight"), weight.dtype)
     grad_b = None if grads.bias is None else _cast_into(grads.bias, out.get("grad_bias"), bias.dtype)  # type: ignore[union-attr]
     return total, grads.x, grad_w, grad_b
-
-
-def _rows(
-    z,
-    t,
-    labels,
-    keep,
-    teacher,
-    start,
-    stop,
-    v0,
-    v_total,
-    weights,
-    loss: Loss,
-    layout: Layout,
-    phases,
-    tile,
-    write_grad: bool,
-) -> torch.Tensor:
-    """The row phases of one chunk: its row losses, and ``dL/dz`` over ``z`` if ``write_grad``."""
-    keep_c = keep[start:stop]
-    y = None if labels is None else labels[start:stop]
-    y_local = y - v0 if loss.hard else None
-    stats = layout.combine_stats(phases.stats(z, t, y_local, loss, tile))
-    kind = loss.kind
-    topk = loss.soft and t is None
-    value_sums = None
-    if kind in ("reverse", "jsd"):
-        value_sums = layout.vocab_sum(phases.value(z, t, stats, loss, tile))  # reads lse, lse_teacher
-    topk_const = None
-    if topk:
-        idx = teacher.indices[start:stop]
-        local = (idx >= v0) & (idx < v0 + z.shape[1])
-        at = torch.where(local, idx - v0, 0)
-        soft, topk_const, g_at = rowmath.topk(
-            z.gather(1, at).float(),
-            local,
-            teacher.target[start:stop].float(),
-            idx == y[:, None] if loss.hard else False,
-            (stats[:, 0], stats[:, 1]),
-            rowmath.row_scales(keep_c, weights, loss, torch),
-            loss,
-            v_total,
-            layout.vocab_sum,
-            torch,
-        )
-    coefs = rowmath.coefficients(stats, keep_c, value_sums, topk_const, weights, loss, torch)
-    partial = None
-    if write_grad or kind == "forward":
-        partial = phases.finish(z, t, y_local, coefs, loss, v_total, tile, write_grad)
-    if kind == "forward":
-        soft = layout.vocab_sum(partial)
-    elif not topk:
-        soft = rowmath.soft_rows(kind, value_sums, None, loss.beta) if loss.soft else None
-    if topk and write_grad:
-        live = (coefs[:, 4:5] != 0) | (coefs[:, 5:6] != 0)
-        delta = torch.where(local & live, g_at - z.gather(1, at).float(), 0.0)
-        z.scatter_add_(1, at, delta.to(z.dtype))
-    labels_ok = True if y is None else (y >= 0) & (y < v_total)
-    return rowmath.row_losses(stats, keep_c, labels_ok, soft, weights, loss, v_total, torch)

@@ -68,8 +68,9 @@ def finish(
     v_total: int,
     tile: tuple[int, int],
     write_grad: bool,
-) -> torch.Tensor:
-    """Phase 3: ``dL/dz`` over ``z`` (if ``write_grad``); returns the rows' forward-KL sums."""
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Phase 3: ``dL/dz`` written over ``z`` (if ``write_grad``); returns ``(z or None, the rows'
+    forward-KL sums)``."""
     del tile
     f = _student(z, loss)
     log_q = f / loss.temperature - coefs[:, :1]
@@ -88,4 +89,4 @@ def finish(
             )
         live = (coefs[:, 4:5] != 0) | (coefs[:, 5:6] != 0)  # ignored rows: exactly 0, never NaN
         z.copy_(torch.where(live, g * terms.slope(z.float(), loss.logit_scale, loss.softcap, torch), 0.0))
-    return partial
+    return (z if write_grad else None), partial

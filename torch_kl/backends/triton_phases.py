@@ -316,8 +316,9 @@ def finish(
     v_total: int,
     tile: tuple[int, int],
     write_grad: bool,
-) -> torch.Tensor:
-    """Phase 3: ``dL/dz`` over ``z`` (if ``write_grad``); returns the rows' forward-KL sums."""
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Phase 3: ``dL/dz`` written over ``z`` (if ``write_grad``); returns ``(z or None, the rows'
+    forward-KL sums)``."""
     rows, v = z.shape
     out = torch.empty(rows, dtype=torch.float32, device=z.device)
     if rows:
@@ -327,4 +328,4 @@ def finish(
             smooth_per_v=loss.label_smoothing / v_total, FORMAT=_format(loss, t), KIND=KINDS.index(loss.kind),
             HARD=y is not None, WRITE_GRAD=write_grad, **_launch(tile),
         )  # fmt: skip
-    return out
+    return (z if write_grad else None), out

@@ -1,0 +1,79 @@
+"""The row phases of one chunk, in order, written once for both frameworks' drivers.
+
+``stats`` → the layout's first collective point → (reverse KL, JSD: ``value`` → the second) →
+the top-k teacher's ``[rows, k]`` part (``rowmath.topk``) → ``finish`` (``dL/dz``) → the rows'
+losses. ``phases`` is a backend's module of row kernels, ``layout`` says what the collective
+points do, and :class:`ChunkOps` brings the few operations whose spelling differs between
+torch and JAX.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from . import rowmath
+from .loss import Loss
+
+
+@dataclass(frozen=True)
+class ChunkOps:
+    """``xp`` (torch or jax.numpy); ``gather(z, at)``: ``z[i, at[i, j]]`` in float32;
+    ``add_at(g, at, delta)``: ``g`` with ``delta[i, j]`` added at ``[i, at[i, j]]`` (in place in
+    torch), returned; ``f32(a)``: ``a`` in float32."""
+
+    xp: Any
+    gather: Callable[[Any, Any], Any]
+    add_at: Callable[[Any, Any, Any], Any]
+    f32: Callable[[Any], Any]
+
+
+def row_phases(
+    z: Any,
+    t: Any,
+    y: Any | None,
+    keep: Any,
+    topk: tuple[Any, Any] | None,
+    v0: Any,
+    v_total: int,
+    weights: tuple[Any, Any, Any],
+    loss: Loss,
+    layout: Any,
+    phases: Any,
+    tile: tuple[int, int],
+    write_grad: bool,
+    ops: ChunkOps,
+) -> tuple[Any | None, Any]:
+    """``(dL/dz or None, row losses)`` of a chunk of logits ``z``: ``t`` its dense teacher (or
+    None), ``y`` its labels, ``keep`` its kept-row mask, ``topk`` its ``(log-probs, token ids)``."""
+    xp = ops.xp
+    y_local = y - v0 if loss.hard else None
+    stats = layout.combine_stats(phases.stats(z, t, y_local, loss, tile))
+    kind = loss.kind
+    value_sums = None
+    if kind in ("reverse", "jsd"):
+        value_sums = layout.vocab_sum(phases.value(z, t, stats, loss, tile))  # reads lse, lse_teacher
+    topk_const = None
+    if topk is not None:
+        log_p, idx = topk
+        local = (idx >= v0) & (idx < v0 + z.shape[1])
+        at = xp.where(local, idx - v0, 0)
+        is_label = idx == y[:, None] if loss.hard else False
+        soft, topk_const, g_at = rowmath.topk(
+            ops.gather(z, at), local, ops.f32(log_p), is_label, (stats[:, 0], stats[:, 1]),
+            rowmath.row_scales(keep, weights, loss, xp), loss, v_total, layout.vocab_sum, xp,
+        )  # fmt: skip
+    coefs = rowmath.coefficients(stats, keep, value_sums, topk_const, weights, loss, xp)
+    g = partial = None
+    if write_grad or kind == "forward":
+        g, partial = phases.finish(z, t, y_local, coefs, loss, v_total, tile, write_grad)
+    if kind == "forward":
+        soft = layout.vocab_sum(partial)
+    elif topk is None:
+        soft = rowmath.soft_rows(kind, value_sums, None, loss.beta) if loss.soft else None
+    if topk is not None and write_grad:
+        live = (coefs[:, 4:5] != 0) | (coefs[:, 5:6] != 0)
+        g = ops.add_at(g, at, xp.where(local & live, g_at - ops.gather(g, at), 0.0))
+    labels_ok = True if y is None else (y >= 0) & (y < v_total)
+    return g, rowmath.row_losses(stats, keep, labels_ok, soft, weights, loss, v_total, xp)
