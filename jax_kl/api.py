@@ -50,7 +50,7 @@ def _run(arrays: dict[str, Any], with_teacher: bool, mesh, batch_axis, vocab_axi
     if mesh is not None:
         return run_sharded(mesh, layout, x, weight, bias, teacher, labels, loss, run, compute)
     if inside:
-        return run_inside(layout, x, weight, bias, teacher, labels, loss, run, compute)
+        return run_inside(layout, x, weight, bias, teacher, labels, loss, run, compute, options["backend"] == "auto")
     return fused_linear_loss(x, weight, bias, teacher, labels, loss, run, layout, compute)
 
 

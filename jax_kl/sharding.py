@@ -13,6 +13,8 @@ that the caller's ``shard_map`` expects, which depend on its ``check_vma``:
   Each gradient is summed over the axes it varies over and its input does not (the transpose
   of the implicit ``pvary`` of an invariant input): ``grad_x`` over the vocabulary axis (its
   partial products), ``grad_weight`` / ``grad_bias`` over the batch axis (the rows' shares).
+  Pallas cannot run there (its outputs carry no varying axes): an explicit ``backend="pallas"``
+  is refused, ``"auto"`` takes ``"xla"``.
 * ``check_vma=False``: the transpose of ``shard_map`` divides a replicated output's cotangent
   by the axes' sizes and psums each input's cotangent over the axes its spec leaves out. So
   the rule sums the cotangent over the layout's axes (every device's loss depends on every
@@ -36,6 +38,7 @@ from fused_kl.loss import Loss
 from fused_kl.options import RunOptions
 
 from .autograd import _scale, fused_linear_loss
+from .backends import compute_of
 from .layout import Layout
 from .teachers import TeacherArrays
 
@@ -154,18 +157,25 @@ def run_sharded(mesh, layout: Layout, x, weight, bias, teacher, labels, loss: Lo
 # -- inside the caller's shard_map ------------------------------------------------------------
 
 
-def run_inside(layout: Layout, x, weight, bias, teacher, labels, loss: Loss, run: RunOptions, compute):
-    """The global loss from this device's blocks, inside the caller's ``shard_map``."""
+def run_inside(layout: Layout, x, weight, bias, teacher, labels, loss: Loss, run: RunOptions, compute, auto: bool):
+    """The global loss from this device's blocks, inside the caller's ``shard_map``. ``auto``: the
+    backend was chosen by ``"auto"`` (then ``"xla"`` replaces ``"pallas"`` under ``check_vma=True``)."""
     axes = _names(layout.batch_axis) + _names(layout.vocab_axis)
     checked = any(a in _varying(lax.axis_index(a)) for a in axes)
     if checked and run.backend == "pallas":
-        raise ValueError(
-            "backend: 'pallas' cannot run inside a shard_map with check_vma=True (Pallas does not track the varying "
-            "axes of its outputs); pass check_vma=False to shard_map, use mesh= with global arrays, or backend='xla'"
-        )
+        if not auto:
+            _refuse_pallas()
+        run, compute = dataclasses.replace(run, backend="xla"), compute_of("xla")
     inputs = tuple(None if a is None else _varying(a) for a in (x, weight, bias))
     local = dataclasses.replace(layout, sum_grad_x=False)
     return _inside(x, weight, bias, teacher, labels, loss, run, local, compute, (checked, axes, inputs))
+
+
+def _refuse_pallas() -> None:
+    raise ValueError(
+        "backend: 'pallas' cannot run inside a shard_map with check_vma=True (Pallas does not track the varying "
+        "axes of its outputs); pass check_vma=False to shard_map, use mesh= with global arrays, or backend='xla'"
+    )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))

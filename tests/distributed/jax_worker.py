@@ -31,6 +31,12 @@ ARRAYS = ("x", "weight", "bias", "target", "labels", "teacher_weight", "teacher_
 UPSTREAM = 2.5  # the loss enters a larger function: every gradient scales by it
 
 
+def _mesh() -> Mesh:
+    """A ``("b", "v")`` mesh, 2 x 2 unless ``FUSED_KL_MESH`` says another shape (e.g. "1,2" on 2 GPUs)."""
+    shape = tuple(int(d) for d in os.environ.get("FUSED_KL_MESH", "2,2").split(","))
+    return Mesh(np.array(jax.devices()[: shape[0] * shape[1]]).reshape(shape), ("b", "v"))
+
+
 def problem(fmt: str, *, n=16, h=8, v=24, k=6, ht=6, bias=False, labels=True, seed=0) -> dict:
     """Whole arrays; rows 9..15 mostly ignored, so the batch shards keep unequal counts."""
     rng = np.random.default_rng(seed)
@@ -114,7 +120,7 @@ def layouts_case(
     fmt: str | None, pkw: dict, options: dict, layout: str, modes: tuple[str, ...], grad: bool = True
 ) -> Callable:
     def body() -> None:
-        mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("b", "v"))
+        mesh = _mesh()
         p = problem(fmt or "probs", **pkw)
         want_loss, want, _ = run(fmt, p, options)
         for mode in modes:
@@ -152,6 +158,21 @@ CASES["pallas_forward[bv]"] = layouts_case("probs", dict(bias=True), dict(backen
                                            ("mesh", "unchecked"))  # fmt: skip
 
 
+def _auto_as_on_gpu() -> None:
+    """ "auto" picks Pallas on a GPU: inside shard_map with check_vma=True it takes "xla" instead."""
+    import jax_kl.backends
+
+    on_gpu = jax_kl.backends._on_gpu
+    jax_kl.backends._on_gpu = lambda: True
+    try:
+        layouts_case("probs", dict(bias=True), dict(chunk_size=8), "bv", MODES)()
+    finally:
+        jax_kl.backends._on_gpu = on_gpu
+
+
+CASES["auto_as_on_gpu[bv]"] = _auto_as_on_gpu
+
+
 def _raises(fn: Callable, *needles: str) -> None:
     try:
         fn()
@@ -163,7 +184,7 @@ def _raises(fn: Callable, *needles: str) -> None:
 
 
 def _validation() -> None:
-    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("b", "v"))
+    mesh = _mesh()
     p = problem("probs")
     f = loss_fn("probs", {})
     odd_v = {**p, "weight": p["weight"][:23], "target": p["target"][:, :23]}
@@ -188,7 +209,7 @@ CASES["validation"] = _validation
 
 def main() -> None:
     out = sys.argv[1]
-    assert jax.device_count() >= 4, f"{jax.device_count()} devices: set XLA_FLAGS before JAX starts"
+    assert jax.device_count() >= _mesh().size, f"{jax.device_count()} devices: set XLA_FLAGS before JAX starts"
     only = sys.argv[2:]  # case names, for running a few by hand
     results: dict[str, str | None] = {}
     for name, fn in CASES.items():

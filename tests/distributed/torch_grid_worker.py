@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from torch_problems import check, problem, rows_of, run, vocab_of, vocab_slice
+from torch_problems import DEVICE, check, init, problem, rows_of, run, vocab_of, vocab_slice
 
 CASES: dict[str, Callable[..., None]] = {}
 MATRIX = [
@@ -31,7 +31,7 @@ def _grid_case(fmt: str, options: dict, backend: str) -> Callable[..., None]:
         want_loss, want = run(p, opts)
         mine = vocab_of(rows_of(p, i, 5, False), j, 2, fmt)
         share, got = run(mine, opts, batch_group=batch_groups[j], vocab_group=vocab_groups[i])
-        total = torch.tensor(share)
+        total = torch.tensor(share, device=DEVICE)
         dist.all_reduce(total, group=batch_groups[j])
         head = {k: got[k].clone() for k in ("weight", "bias")}
         for g in head.values():
@@ -53,7 +53,7 @@ for _name, _fmt, _options in MATRIX:
 def main() -> None:
     rank, world, store, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     assert world == 4
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    init(rank, world, store)
     vocab_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # one per row shard
     batch_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # one per vocabulary slice
     results: dict[str, str | None] = {}

@@ -7,12 +7,16 @@ head gradients, the vocabulary layout directly (every rank holds the full loss a
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 
 import torch_kl
 
 DENSE = ("probs", "log_probs", "logits")
+# "cuda": the ranks run on NCCL, one GPU each (by hand on a GPU machine; the tests use gloo).
+DEVICE = torch.device(os.environ.get("FUSED_KL_DIST_DEVICE", "cpu"))
 
 
 def problem(
@@ -63,7 +67,15 @@ def problem(
         for key in ("x", "target", "labels", "target_indices"):
             if key in p:
                 p[key] = p[key].reshape(lead, n // lead, *p[key].shape[1:])
-    return p
+    return {k: a.to(DEVICE) for k, a in p.items()}
+
+
+def init(rank: int, world: int, store: str) -> None:
+    """gloo on the CPU, or NCCL with one GPU a rank where ``DEVICE`` is CUDA."""
+    if DEVICE.type == "cuda":
+        torch.cuda.set_device(rank)
+    backend = "nccl" if DEVICE.type == "cuda" else "gloo"
+    torch.distributed.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world)
 
 
 def run(p: dict, options: dict, *, fn=None, **layout) -> tuple[float, dict[str, torch.Tensor]]:

@@ -8,7 +8,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import parallelize_module
-from torch_problems import check, problem, rows_of, run
+from torch_problems import DEVICE, check, problem, rows_of, run
 
 import torch_kl
 from torch_kl.parallel import LinearLossParallel
@@ -29,7 +29,7 @@ def _leaf(a: torch.Tensor, mesh, placement) -> DTensor:
 @_case
 def kl_dtensors(rank: int, world: int) -> None:
     """DTensor rows Shard(1) (T = 7: 4 and 3 rows), Replicate head: global loss and gradients."""
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(DEVICE.type, (world,))
     p = problem(n=14, lead=2, bias=True, ignored=(4, 5, 6, 12))
     opts = dict(chunk_size=3, temperature=1.5)
     want_loss, want = run(p, opts)
@@ -51,7 +51,7 @@ def kl_dtensors(rank: int, world: int) -> None:
 @_case
 def kl_replicated_rows_local_output(rank: int, world: int) -> None:
     """Rows given as a Replicate DTensor are sharded by the style; use_local_output gives the share."""
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(DEVICE.type, (world,))
     p = problem(n=12, lead=None, ignored=(1, 7, 8))
     want_loss, want = run(p, {})
     module = parallelize_module(
@@ -76,7 +76,7 @@ def kl_replicated_rows_local_output(rank: int, world: int) -> None:
 @_case
 def jsd_module(rank: int, world: int) -> None:
     """FusedLinearJSDLoss (teacher hidden states and head), return_soft_hard_loss=True."""
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(DEVICE.type, (world,))
     p = problem("hidden", n=10, lead=2, ignored=(0, 1, 7))
     opts = dict(beta=0.4, weight_hard_loss=0.3, weight_soft_loss=0.7, chunk_size=2, return_soft_hard_loss=True)
     ref = torch_kl.FusedLinearJSDLoss(**opts)
@@ -98,7 +98,7 @@ def jsd_module(rank: int, world: int) -> None:
 
 @_case
 def cross_entropy_module(rank: int, world: int) -> None:
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(DEVICE.type, (world,))
     p = problem(n=9, ignored=(5, 6))
     want_loss, want = run(p, {"label_smoothing": 0.1}, fn=torch_kl.fused_linear_cross_entropy)
     module = parallelize_module(
@@ -118,7 +118,7 @@ def cross_entropy_module(rank: int, world: int) -> None:
 
 @_case
 def refusals(rank: int, world: int) -> None:
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(DEVICE.type, (world,))
     p = problem()
     module = parallelize_module(torch_kl.FusedLinearKLDivLoss(), mesh, LinearLossParallel(sequence_dim=0))
     sharded_head = distribute_tensor(p["weight"], mesh, [Shard(0)])

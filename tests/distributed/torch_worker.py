@@ -15,7 +15,7 @@ import traceback
 from collections.abc import Callable
 
 import torch
-from torch_problems import DENSE, check, problem, rows_of, run, vocab_of, vocab_slice
+from torch_problems import DENSE, DEVICE, check, init, problem, rows_of, run, vocab_of, vocab_slice
 
 import torch_kl
 
@@ -93,7 +93,7 @@ def _layouts(name: str, fmt: str | None, pkw: dict, options: dict, backend: str)
         split = 2 if lead else 5
         mine = rows_of(p, rank, split, lead)
         share, got = run(mine, opts, fn=fn, batch_group=_group())
-        total = float(_all_sum(torch.tensor(share)))
+        total = float(_all_sum(torch.tensor(share, device=DEVICE)))
         head = {k: _all_sum(g) for k, g in got.items() if k != "x"}
         # Vocabulary: contiguous V / G slices of the head (and the V axis of a dense target).
         vloss, vgot = run(vocab_of(p, rank, world, fmt or "probs"), opts, fn=fn, vocab_group=_group())
@@ -127,7 +127,7 @@ def _empty_row_shard(rank: int, world: int) -> None:
         p = problem(bias=True)
         want_loss, want = run(p, {"backend": backend})
         share, got = run(rows_of(p, rank, 0, False), {"backend": backend}, batch_group=_group())
-        total, gw = float(_all_sum(torch.tensor(share))), _all_sum(got["weight"])
+        total, gw = float(_all_sum(torch.tensor(share, device=DEVICE))), _all_sum(got["weight"])
         check("sum of the ranks' losses", total, want_loss, 2e-5)
         check("summed grad_weight", gw, want["weight"], 2e-5)
         assert got["x"].shape[0] == (0 if rank == 0 else 12), got["x"].shape
@@ -179,11 +179,14 @@ def _validation(rank: int, world: int) -> None:
 
 def main() -> None:
     rank, world, store, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
-    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    init(rank, world, store)
     from torch_style_cases import STYLE_CASES
 
     results: dict[str, str | None] = {}
+    only = sys.argv[5:]  # case names, for running a few by hand
     for name, fn in {**CASES, **STYLE_CASES}.items():
+        if only and name not in only:
+            continue
         try:
             fn(rank, world)
             results[name] = None
