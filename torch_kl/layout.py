@@ -82,45 +82,62 @@ class Layout:
         if torch.compiler.is_compiling():  # reading the gathered values would break the graph
             return
         mine = [1, 0, 0, 0, 0, 0] if facts is None else [0, *facts]
-        for name, group in (("batch_group", self.batch_group), ("vocab_group", self.vocab_group)):
-            if group is not None:
-                _compare(name, group, mine, device, rows_may_differ=name == "batch_group")
+        named = (("batch_group", self.batch_group), ("vocab_group", self.vocab_group))
+        groups = [(name, group) for name, group in named if group is not None]
+        tables = [_gather(group, mine, device) for _, group in groups]  # every gather before any raise
+        errors = [
+            _judge(name, t, rows_may_differ=name == "batch_group") for (name, _), t in zip(groups, tables, strict=True)
+        ]
+        error = next((e for e in errors if e is not None), None)
+        if len(groups) == 2:
+            # A second round over both groups: on a grid, a rank that shares no group with a failing
+            # rank hears of it from one that does, instead of going on into the driver's collectives.
+            seen = [int(facts is None or error is not None)]
+            heard = [_gather(group, seen, device) for _, group in groups]  # on every rank, whatever it saw
+            if error is None and any(row[0] for table in heard for row in table):
+                error = ValueError(
+                    "batch_group, vocab_group: a rank of the grid rejected its call (its error "
+                    "says why); every rank must make the same call"
+                )
+        if error is not None and facts is not None:
+            raise error  # (where this rank's own validation failed, the caller raises that error)
 
 
-def _compare(name: str, group: Any, mine: list[int], device: torch.device, rows_may_differ: bool) -> None:
+def _gather(group: Any, mine: list[int], device: torch.device) -> list[list[int]]:
     import torch.distributed._functional_collectives as funcol
 
     if _dist().get_backend(group) == "gloo":
         device = torch.device("cpu")
     gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor  # renamed in torch 2.12
     gathered = gather(torch.tensor(mine, dtype=torch.int64, device=device), 0, group)
-    table = gathered.reshape(-1, len(FACTS)).tolist()
+    return gathered.reshape(-1, len(mine)).tolist()
+
+
+def _judge(name: str, table: list[list[int]], rows_may_differ: bool) -> ValueError | None:
+    """The error a group's gathered facts call for, or None."""
     failed = [r for r, row in enumerate(table) if row[0]]
     if failed:
-        if mine[0]:
-            return  # the caller raises its own error
-        raise ValueError(
+        return ValueError(
             f"{name}: rank(s) {failed} of the group rejected their arguments (their error says why); "
             "every rank must make the same call"
         )
     for i, fact in enumerate(FACTS[1:], 1):
-        if fact == "N" and rows_may_differ:
-            continue
         values = [row[i] for row in table]
-        if len(set(values)) == 1:
+        if len(set(values)) == 1 or (fact == "N" and rows_may_differ):
             continue
         if fact == "call":
-            raise ValueError(
+            return ValueError(
                 f"{name}: the ranks' calls differ in their options, dtypes or optional arguments "
                 "(reduction, temperature, chunk_size, bias, labels, ...); every rank must make the "
                 "same call"
             )
         if fact == "V" and name == "vocab_group":
-            raise ValueError(
+            return ValueError(
                 f"weight: the vocab_group's ranks hold {values} rows of the head: V must be divisible "
                 f"by the group size {len(values)}, each rank holding a contiguous V / G slice"
             )
-        raise ValueError(f"{_ARGUMENT[fact]}: the {name}'s ranks disagree on {fact}: {values} (rank by rank)")
+        return ValueError(f"{_ARGUMENT[fact]}: the {name}'s ranks disagree on {fact}: {values} (rank by rank)")
+    return None
 
 
 def _dist() -> Any:

@@ -50,6 +50,25 @@ for _name, _fmt, _options in MATRIX:
         CASES[f"grid_{_name}[{_backend}]"] = _grid_case(_fmt, _options, _backend)
 
 
+def _grid_validation(rank: int, batch_groups: list, vocab_groups: list) -> None:
+    """Rank 0 alone rejects its arguments: all four ranks raise (rank 3 shares no group with it),
+    and the grid is still in step afterwards."""
+    i, j = divmod(rank, 2)
+    p = vocab_of(rows_of(problem(), i, 5, False), j, 2, "probs")
+    groups = dict(batch_group=batch_groups[j], vocab_group=vocab_groups[i])
+    try:
+        run(p, {"temperature": -1.0 if rank == 0 else 1.0}, **groups)
+    except ValueError as e:
+        want = "temperature:" if rank == 0 else "rank"
+        assert want in str(e), e
+    else:
+        raise AssertionError("no ValueError")
+    run(p, {}, **groups)
+
+
+CASES["grid_validation"] = _grid_validation
+
+
 def main() -> None:
     rank, world, store, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     assert world == 4
