@@ -290,7 +290,9 @@ def check_array_args(
 ) -> Shapes:
     """Describe each given array with the framework's ``describe`` (which raises ``TypeError``
     for a non-array) and check them together with :func:`check_arrays`."""
-    facts = {name: None if value is None else describe(name, value) for name, value in arrays.items()}
+    required = ("x", "weight")  # None is not an array: a TypeError, like any other non-array
+    facts = {name: None if value is None and name not in required else describe(name, value)
+             for name, value in arrays.items()}
     return check_arrays(loss, facts, v_total)
 
 
