@@ -69,7 +69,9 @@ def jax_through_triton(x, weight, bias, teacher, labels, loss: Loss, run: RunOpt
             tt = TeacherArrays(t["target"], t["weight_t"], t["bias_t"], t["indices"])
             forward(t["x"], t["weight"], t["bias"], tt, t["labels"], loss, torch_run, SINGLE, needs, out=outs)
 
-    res = buffer_callback(callback, out_types, has_side_effect=False)(*(named[k] for k in names))
+    # Under jax.vmap, one call per batch element.
+    call = buffer_callback(callback, out_types, has_side_effect=False, vmap_method="sequential")
+    res = call(*(named[k] for k in names))
     if not with_grads:
         return res["loss"], None, None, None
     return res["loss"], res["grad_x"], res["grad_weight"], res.get("grad_bias")
