@@ -1,8 +1,10 @@
 """One way to build inputs and run any backend of either framework, for every test file.
 
-A backend id is ``"<framework>/<backend>"``: ``torch/torch``, ``torch/triton``,
-``torch/jax``, ``jax/xla``, ``jax/pallas``, ``jax/triton``. ``run`` returns NumPy float64
-results so they compare directly with ``reference.reference``.
+A backend id is ``"<framework>/<name>"``, ``name`` a key of that framework's registry
+(``torch_kl.backends.REGISTRY``, ``jax_kl.backends.REGISTRY``): the lists below are built
+from the registries, never written out. ``run`` calls ``fused_linear_kl_div`` (or
+``fused_linear_cross_entropy``) and returns NumPy float64 results; ``assert_matches`` compares
+them with the one float64 reference, ``fused_kl.reference``.
 """
 
 from __future__ import annotations
@@ -11,23 +13,54 @@ from dataclasses import dataclass
 
 import numpy as np
 
-TORCH_BACKENDS = ("torch/torch", "torch/triton", "torch/jax")
-JAX_BACKENDS = ("jax/xla", "jax/pallas", "jax/triton")
+import jax_kl.backends
+import torch_kl.backends
+from fused_kl.reference import Expected, reference, reference_cross_entropy
+
+TORCH_BACKENDS = tuple(f"torch/{name}" for name in torch_kl.backends.REGISTRY)
+JAX_BACKENDS = tuple(f"jax/{name}" for name in jax_kl.backends.REGISTRY)
 ALL_BACKENDS = TORCH_BACKENDS + JAX_BACKENDS
+# The bridges: one framework's autograd around the other framework's kernels (single device).
+BRIDGES = tuple(
+    f"{fw}/{name}"
+    for fw, registry in (("torch", torch_kl.backends.REGISTRY), ("jax", jax_kl.backends.REGISTRY))
+    for name, backend in registry.items()
+    if backend.single_device
+)
 
 # Relative-norm tolerance of a result against float64, from the input dtype's precision:
 # a few units of its rounding (2**-23, 2**-8, 2**-11) times the depth of the sums.
 TOLERANCE = {"float32": 2e-5, "bfloat16": 2e-2, "float16": 4e-3}
+# Options of how a call runs, never what it computes: the reference does not take them.
+RUN_OPTIONS = ("accum_dtype", "chunk_size", "backend")
+TEACHER_ARRAYS = ("teacher_weight", "teacher_bias", "target_indices")
 
 
 @dataclass
 class Inputs:
-    x: np.ndarray  # float32 values already rounded to ``dtype``
+    """A problem as NumPy arrays. Float arrays hold float32 values already rounded to
+    ``dtype`` where the call passes them in ``dtype`` (``x``, ``weight``, ``bias``, and the
+    teacher's hidden states and head); dense and top-k targets are passed as float32."""
+
+    x: np.ndarray
     weight: np.ndarray
-    target: np.ndarray
+    target: np.ndarray | None
     labels: np.ndarray | None
     bias: np.ndarray | None
     dtype: str
+    target_format: str = "probs"
+    teacher_weight: np.ndarray | None = None
+    teacher_bias: np.ndarray | None = None
+    target_indices: np.ndarray | None = None
+
+    @property
+    def target_dtype(self) -> str:
+        return self.dtype if self.target_format == "hidden" else "float32"
+
+    def teacher(self) -> dict:
+        """The teacher's keywords of a call beyond ``target``; ``target_format`` only if not the default."""
+        kw = {k: getattr(self, k) for k in TEACHER_ARRAYS if getattr(self, k) is not None}
+        return kw if self.target_format == "probs" else {**kw, "target_format": self.target_format}
 
 
 @dataclass
@@ -38,11 +71,16 @@ class Outputs:
     grad_bias: np.ndarray | None
 
 
-def _round_to(a: np.ndarray, dtype: str) -> np.ndarray:
+def round_to(a: np.ndarray, dtype: str) -> np.ndarray:
     import ml_dtypes
 
     dt = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}[dtype]
-    return a.astype(dt).astype(np.float32)
+    return np.asarray(a).astype(dt).astype(np.float32)
+
+
+def _log_softmax(a: np.ndarray) -> np.ndarray:
+    a = a - a.max(-1, keepdims=True)
+    return a - np.log(np.exp(a).sum(-1, keepdims=True))
 
 
 def make_inputs(
@@ -61,33 +99,55 @@ def make_inputs(
     zero_frac: float = 0.0,
     one_hot_frac: float = 0.0,
     min_mass: float | None = None,
+    ht: int = 6,
+    teacher_bias: bool = False,
+    k: int | None = None,
+    pad_frac: float = 0.0,
 ) -> Inputs:
-    """Random inputs; ``lead`` reshapes the rows to ``[B, T]``.
+    """Random inputs of ``n`` rows; ``lead`` reshapes the rows to ``[B, T]``.
 
-    For ``target_format="probs"`` only: ``zero_frac`` sets about that fraction of the target's
-    entries to exactly 0 (rows renormalised; a row left with no mass stays all zero), and
-    ``one_hot_frac`` makes about that fraction of the rows exactly one-hot. Both default to 0,
-    which draws nothing more from the generator, so the other inputs do not depend on them.
-    ``min_mass`` scales each row's probabilities (``"probs"`` / ``"log_probs"``) by a factor
-    drawn in ``[min_mass, 1]``, as a truncated (top-k) teacher's are: then ``S_i = sum_j p_ij < 1``.
+    ``labels`` (unless ``ignore_frac`` is None) are class indices in ``[0, V)`` with about
+    ``ignore_frac`` of the rows set to ``-100``. The teacher, by ``target_format``:
+
+    * ``"probs"`` / ``"log_probs"`` / ``"logits"``: ``[n, V]`` from logits of size ``teacher_scale``.
+      For ``"probs"``, ``zero_frac`` zeroes about that fraction of the entries (rows renormalised;
+      a row left with no mass stays all zero) and ``one_hot_frac`` makes that fraction of the rows
+      one-hot. ``min_mass`` scales rows (``"probs"``, ``"log_probs"``) by a factor in ``[min_mass, 1]``,
+      as a truncated teacher's: then ``sum_j p_ij < 1``.
+    * ``"hidden"``: hidden states ``[n, ht]`` and a head ``teacher_weight [V, ht]`` (and a
+      ``teacher_bias [V]`` if asked), in ``dtype``.
+    * ``"topk_log_probs"``: the teacher's ``k`` most likely tokens per row, in shuffled order
+      (``target_indices [n, k]``, distinct) and their log-probabilities ``[n, k]``; in about
+      ``pad_frac`` of the rows, 1 to ``k - 1`` entries are ``-inf`` padding.
     """
     rng = np.random.default_rng(seed)
-    x = _round_to(rng.standard_normal((n, h)).astype(np.float32), dtype)
-    w = _round_to((rng.standard_normal((v, h)) * logit_scale / np.sqrt(h)).astype(np.float32), dtype)
+    x = round_to(rng.standard_normal((n, h)), dtype)
+    w = round_to(rng.standard_normal((v, h)) * logit_scale / np.sqrt(h), dtype)
     raw = rng.standard_normal((n, v)) * teacher_scale
+    if (zero_frac or one_hot_frac) and target_format != "probs":
+        raise ValueError("zero_frac and one_hot_frac apply to target_format='probs' only")
+    tw = tb = idx = None
     if target_format == "logits":
         t = raw
+    elif target_format == "hidden":
+        t = round_to(rng.standard_normal((n, ht)), dtype)
+        tw = round_to(rng.standard_normal((v, ht)) * teacher_scale / np.sqrt(ht), dtype)
+        tb = round_to(rng.standard_normal(v), dtype) if teacher_bias else None
+    elif target_format == "topk_log_probs":
+        k = v if k is None else k
+        log_p = _log_softmax(raw)
+        idx = rng.permuted(np.argsort(-log_p, axis=-1)[:, :k], axis=-1)
+        t = np.take_along_axis(log_p, idx, -1)
+        for row in np.flatnonzero(rng.random(n) < pad_frac) if k > 1 else ():
+            t[row, k - rng.integers(1, k) :] = -np.inf
     else:
-        log_p = raw - raw.max(-1, keepdims=True)
-        log_p -= np.log(np.exp(log_p).sum(-1, keepdims=True))
+        log_p = _log_softmax(raw)
         t = np.exp(log_p) if target_format == "probs" else log_p
     labels = None
     if ignore_frac is not None:
         labels = rng.integers(0, v, n)
         labels[rng.random(n) < ignore_frac] = -100
-    b = _round_to(rng.standard_normal(v).astype(np.float32), dtype) if bias else None
-    if (zero_frac or one_hot_frac) and target_format != "probs":
-        raise ValueError("zero_frac and one_hot_frac apply to target_format='probs' only")
+    b = round_to(rng.standard_normal(v), dtype) if bias else None
     if zero_frac:
         t = np.where(rng.random((n, v)) < zero_frac, 0.0, t)
         mass = t.sum(-1, keepdims=True)
@@ -100,63 +160,104 @@ def make_inputs(
         factor = rng.uniform(min_mass, 1.0, (n, 1))
         t = t * factor if target_format == "probs" else t + np.log(factor)
     if lead is not None:
-        x, t = x.reshape(*lead, h), t.reshape(*lead, v)
+        x, t = x.reshape(*lead, h), t.reshape(*lead, t.shape[-1])
         labels = None if labels is None else labels.reshape(lead)
-    return Inputs(x, w, t.astype(np.float32), labels, b, dtype)
+        idx = None if idx is None else idx.reshape(*lead, idx.shape[-1])
+    return Inputs(x, w, t.astype(np.float32), labels, b, dtype, target_format, tw, tb, idx)
 
 
-def run(backend: str, inp: Inputs, *, upstream: float = 1.0, grads: bool = True, **options) -> Outputs:
-    """Loss and gradients of ``upstream * loss`` from one backend, as NumPy float64."""
+def run(
+    backend: str, inp: Inputs, *, fn: str = "kl_div", upstream: float = 1.0, grads: bool = True, **options
+) -> Outputs:
+    """Loss and gradients of ``upstream * loss`` from one backend, as NumPy float64.
+
+    ``fn`` is ``"kl_div"`` (``fused_linear_kl_div`` with the inputs' teacher) or
+    ``"cross_entropy"`` (``fused_linear_cross_entropy``, no teacher). JAX runs under
+    ``jax.jit``; ``grads=False`` asks for the loss alone (torch: nothing requires grad).
+    """
     framework, name = backend.split("/")
-    return (_run_torch if framework == "torch" else _run_jax)(name, inp, upstream, grads, options)
+    return (_run_torch if framework == "torch" else _run_jax)(name, inp, fn, upstream, grads, options)
 
 
-def _run_torch(name: str, inp: Inputs, upstream: float, grads: bool, options: dict) -> Outputs:
+def _run_torch(name: str, inp: Inputs, fn: str, upstream: float, grads: bool, options: dict) -> Outputs:
     import torch
 
     import torch_kl
 
-    dt = getattr(torch, inp.dtype)
-    x = torch.tensor(inp.x).to(dt).requires_grad_(grads)
-    w = torch.tensor(inp.weight).to(dt).requires_grad_(grads)
-    b = None if inp.bias is None else torch.tensor(inp.bias).to(dt).requires_grad_(grads)
-    t = torch.tensor(inp.target)
+    def tensor(a, dtype: str, requires_grad: bool = False):
+        return None if a is None else torch.tensor(a).to(getattr(torch, dtype)).requires_grad_(requires_grad)
+
+    x, w, b = (tensor(a, inp.dtype, grads) for a in (inp.x, inp.weight, inp.bias))
     lab = None if inp.labels is None else torch.tensor(inp.labels)
-    if "accum_dtype" in options and isinstance(options["accum_dtype"], str):
+    if isinstance(options.get("accum_dtype"), str):
         options = {**options, "accum_dtype": getattr(torch, options["accum_dtype"])}
-    loss = torch_kl.fused_linear_kl_div(x, w, t, lab, bias=b, backend=name, **options)
+    if fn == "cross_entropy":
+        loss = torch_kl.fused_linear_cross_entropy(x, w, lab, bias=b, backend=name, **options)
+    else:
+        teacher = inp.teacher()
+        for key in ("teacher_weight", "teacher_bias"):
+            if key in teacher:
+                teacher[key] = tensor(teacher[key], inp.dtype)
+        if "target_indices" in teacher:
+            teacher["target_indices"] = torch.tensor(teacher["target_indices"])
+        target = tensor(inp.target, inp.target_dtype)
+        loss = torch_kl.fused_linear_kl_div(x, w, target, lab, bias=b, backend=name, **teacher, **options)
+    assert loss.dtype == torch.float32 and loss.shape == ()
     if grads:
         (loss * upstream).backward()
 
     def grad(a):
         return None if a is None or a.grad is None else a.grad.double().numpy()
 
-    return Outputs(float(loss), grad(x), grad(w), grad(b))
+    return Outputs(float(loss.detach()), grad(x), grad(w), grad(b))
 
 
-def _run_jax(name: str, inp: Inputs, upstream: float, grads: bool, options: dict) -> Outputs:
+def _run_jax(name: str, inp: Inputs, fn: str, upstream: float, grads: bool, options: dict) -> Outputs:
     import jax
     import jax.numpy as jnp
 
     import jax_kl
 
-    dt = jnp.dtype(inp.dtype)
-    x, w = jnp.asarray(inp.x, dt), jnp.asarray(inp.weight, dt)
-    b = None if inp.bias is None else jnp.asarray(inp.bias, dt)
-    t = jnp.asarray(inp.target)
-    lab = None if inp.labels is None else jnp.asarray(inp.labels, jnp.int32)
+    def array(a, dtype):
+        return None if a is None else jnp.asarray(a, dtype)
 
-    def f(x, w, b, t, lab):
-        return jax_kl.fused_linear_kl_div(x, w, t, lab, bias=b, backend=name, **options) * upstream
+    x, w, b = (array(a, inp.dtype) for a in (inp.x, inp.weight, inp.bias))
+    lab = array(inp.labels, jnp.int32)
+    teacher = inp.teacher()
+    for key in ("teacher_weight", "teacher_bias"):
+        if key in teacher:
+            teacher[key] = array(teacher[key], inp.dtype)
+    if "target_indices" in teacher:
+        teacher["target_indices"] = array(teacher["target_indices"], jnp.int32)
+    arrays = {k: v for k, v in teacher.items() if k in TEACHER_ARRAYS}
+    static = {k: v for k, v in teacher.items() if k not in TEACHER_ARRAYS}
+    target = array(inp.target, inp.target_dtype)
 
+    def f(x, w, b, target, lab, arrays):
+        if fn == "cross_entropy":
+            loss = jax_kl.fused_linear_cross_entropy(x, w, lab, bias=b, backend=name, **options)
+        else:
+            loss = jax_kl.fused_linear_kl_div(x, w, target, lab, bias=b, backend=name, **arrays, **static, **options)
+        assert loss.dtype == jnp.float32 and loss.shape == ()
+        return loss * upstream
+
+    args = (x, w, b, target, lab, arrays)
     if not grads:
-        return Outputs(float(jax.jit(f)(x, w, b, t, lab)) / upstream, None, None, None)
-    loss, (gx, gw, gb) = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))(x, w, b, t, lab)
+        return Outputs(float(jax.jit(f)(*args)) / upstream, None, None, None)
+    loss, (gx, gw, gb) = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))(*args)
 
     def as64(a):
         return None if a is None else np.asarray(a.astype(jnp.float32), np.float64)
 
     return Outputs(float(loss) / upstream, as64(gx), as64(gw), as64(gb))
+
+
+def expected(inp: Inputs, fn: str = "kl_div", **options) -> Expected:
+    """The float64 reference of a call (``options`` may hold run options: they are dropped)."""
+    opts = {k: v for k, v in options.items() if k not in RUN_OPTIONS}
+    if fn == "cross_entropy":
+        return reference_cross_entropy(inp.x, inp.weight, inp.labels, bias=inp.bias, **opts)
+    return reference(inp.x, inp.weight, inp.target, inp.labels, bias=inp.bias, **inp.teacher(), **opts)
 
 
 def rel_err(got: np.ndarray, want: np.ndarray) -> float:
@@ -170,13 +271,14 @@ def rel_err(got: np.ndarray, want: np.ndarray) -> float:
     return float(diff / denom) if denom > 0 else float(diff)
 
 
-def assert_matches(out: Outputs, inp: Inputs, *, upstream: float = 1.0, **options) -> None:
-    """Compare every output with the float64 reference at the dtype's tolerance."""
-    from reference import reference
-
-    opts = {k: v for k, v in options.items() if k not in ("accum_dtype", "chunk_size")}
-    ref = reference(inp.x, inp.weight, inp.target, inp.labels, bias=inp.bias, **opts)
-    tol = TOLERANCE[inp.dtype]
+def assert_matches(
+    out: Outputs, inp: Inputs, *, fn: str = "kl_div", upstream: float = 1.0, tolerance: float | None = None,
+    grad_tolerance: float | None = None, **options
+) -> None:
+    """Compare every output with the float64 reference, by default at the dtype's tolerance."""
+    ref = expected(inp, fn, **options)
+    tol = TOLERANCE[inp.dtype] if tolerance is None else tolerance
+    grad_tol = tol if grad_tolerance is None else grad_tolerance
     # A KL near 0 is the difference of two sums of order 1 (cross-entropy and entropy), so its
     # rounding error is absolute: relative to a loss of 1e-3 it can exceed float32's tolerance.
     scale = max(abs(ref.loss), 1e-2)
@@ -189,4 +291,4 @@ def assert_matches(out: Outputs, inp: Inputs, *, upstream: float = 1.0, **option
         if got is None:
             continue
         err = rel_err(got / upstream, want)
-        assert err < tol, f"{name}: relative error {err:.3g} > {tol}"
+        assert err < grad_tol, f"{name}: relative error {err:.3g} > {grad_tol}"

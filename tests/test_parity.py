@@ -1,58 +1,122 @@
-"""Cross-framework parity: the same tensors, handed to JAX with DLPack, give the same loss
-and gradients in ``torch_kl`` and ``jax_kl``, for every option of the shared matrix."""
+"""Cross-framework parity: the same tensors, handed to JAX with DLPack, give the same loss and
+gradients in every backend of ``torch_kl`` and of ``jax_kl``, for the loss family and every
+teacher format. The bridges run the other framework's kernels: bitwise that framework's result."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 import torch
-from harness import TOLERANCE, make_inputs, rel_err
-from test_backends import CASES
+from harness import ALL_BACKENDS, BRIDGES, JAX_BACKENDS, TOLERANCE, TORCH_BACKENDS, make_inputs, rel_err
 
 import jax_kl
 import torch_kl
 
-# Each torch backend beside its mirror image in JAX.
-PAIRS = (("torch", "xla"), ("triton", "pallas"))
+# (make_inputs keywords, options)
+CASES = {
+    "forward-probs-bias": (dict(n=13, h=6, v=37, bias=True, zero_frac=0.3), dict(chunk_size=5)),
+    "reverse-log_probs-sum": (dict(n=11, h=5, v=29, target_format="log_probs"), dict(beta=1.0, reduction="sum")),
+    "jsd-logits-transforms": (
+        dict(n=12, h=6, v=33, target_format="logits"),
+        dict(beta=0.3, teacher_logit_scale=1.5, teacher_softcap=3.0, teacher_temperature=2.0, logit_scale=0.7)),
+    "hard-smoothing-softcap-mean": (
+        dict(n=14, h=6, v=31, target_format="logits", bias=True),
+        dict(weight_hard_loss=0.6, weight_soft_loss=0.5, label_smoothing=0.1, softcap=4.0, temperature=2.0,
+             reduction="mean")),
+    "hidden-jsd-bias": (
+        dict(n=12, h=6, v=35, target_format="hidden", ht=7, teacher_bias=True, bias=True), dict(beta=0.5)),
+    "hidden-bf16-3d-hard": (
+        dict(n=12, h=16, v=41, target_format="hidden", ht=16, dtype="bfloat16", lead=(3, 4)),
+        dict(beta=1.0, weight_hard_loss=0.5, accum_dtype="float32", chunk_size=6)),
+    "topk-bin": (dict(n=13, h=6, v=39, target_format="topk_log_probs", k=5, pad_frac=0.4), dict(temperature=1.5)),
+    "topk-renormalize-hard": (
+        dict(n=12, h=6, v=31, target_format="topk_log_probs", k=6, pad_frac=0.3),
+        dict(topk_tail="renormalize", weight_hard_loss=0.5, logit_scale=1.3)),
+    "topk-drop-fp16": (
+        dict(n=16, h=16, v=43, target_format="topk_log_probs", k=7, dtype="float16"), dict(topk_tail="drop")),
+    "cross_entropy": (dict(n=15, h=6, v=37, bias=True), dict(fn="cross_entropy", label_smoothing=0.1, softcap=5.0)),
+}
 
 
-def _torch_run(backend, x, w, t, lab, b, options):
-    leaves = [a.detach().clone().requires_grad_() if a is not None else None for a in (x, w, b)]
-    loss = torch_kl.fused_linear_kl_div(leaves[0], leaves[1], t, lab, bias=leaves[2], backend=backend, **options)
+def _torch_run(backend: str, arrays: dict, options: dict) -> list:
+    fn = options.pop("fn", "kl_div")
+    leaves = {k: None if arrays[k] is None else arrays[k].detach().clone().requires_grad_() for k in ("x", "w", "b")}
+    if "accum_dtype" in options:
+        options["accum_dtype"] = getattr(torch, options["accum_dtype"])
+    if fn == "cross_entropy":
+        loss = torch_kl.fused_linear_cross_entropy(leaves["x"], leaves["w"], arrays["labels"], bias=leaves["b"],
+                                                   backend=backend, **options)
+    else:
+        loss = torch_kl.fused_linear_kl_div(leaves["x"], leaves["w"], arrays["target"], arrays["labels"],
+                                            bias=leaves["b"], backend=backend, **arrays["teacher"], **options)
     loss.backward()
-    return [float(loss)] + [None if a is None else a.grad.double().numpy() for a in leaves]
+    return [float(loss.detach())] + [None if a is None else a.grad.float().numpy() for a in leaves.values()]
 
 
-def _jax_run(backend, x, w, t, lab, b, options):
-    def f(x, w, b):
-        return jax_kl.fused_linear_kl_div(x, w, t, lab, bias=b, backend=backend, **options)
+def _jax_run(backend: str, arrays: dict, options: dict) -> list:
+    fn = options.pop("fn", "kl_div")
 
-    loss, grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))(x, w, b)
-    return [float(loss)] + [None if g is None else jax.numpy.asarray(g, jnp.float32).__array__() for g in grads]
+    def f(x, w, b, rest):
+        if fn == "cross_entropy":
+            return jax_kl.fused_linear_cross_entropy(x, w, rest["labels"], bias=b, backend=backend, **options)
+        return jax_kl.fused_linear_kl_div(x, w, rest["target"], rest["labels"], bias=b, backend=backend,
+                                          **rest["teacher"], **static, **options)
+
+    static = {k: v for k, v in arrays["teacher"].items() if isinstance(v, str)}
+    rest = dict(target=arrays["target"], labels=arrays["labels"],
+                teacher={k: v for k, v in arrays["teacher"].items() if not isinstance(v, str)})
+    loss, grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))(arrays["x"], arrays["w"], arrays["b"], rest)
+    return [float(loss)] + [None if g is None else np.asarray(g.astype(jnp.float32)) for g in grads]
 
 
-@pytest.mark.parametrize("pair", PAIRS, ids=lambda p: f"{p[0]}-{p[1]}")
+def _tensors(inp) -> dict:
+    """The inputs as torch tensors (labels and token ids int32, so that JAX takes them as they are)."""
+    dt = getattr(torch, inp.dtype)
+
+    def tensor(a, dtype):
+        return None if a is None else torch.tensor(a).to(dtype)
+
+    teacher = inp.teacher()
+    for key in ("teacher_weight", "teacher_bias"):
+        if key in teacher:
+            teacher[key] = tensor(teacher[key], dt)
+    if "target_indices" in teacher:
+        teacher["target_indices"] = tensor(teacher["target_indices"], torch.int32)
+    return dict(x=tensor(inp.x, dt), w=tensor(inp.weight, dt), b=tensor(inp.bias, dt),
+                target=tensor(inp.target, getattr(torch, inp.target_dtype)), labels=tensor(inp.labels, torch.int32),
+                teacher=teacher)
+
+
+def _to_jax(arrays: dict) -> dict:
+    """The same memory as JAX arrays (DLPack), strings left as they are."""
+    if isinstance(arrays, dict):
+        return {k: _to_jax(v) for k, v in arrays.items()}
+    return arrays if arrays is None or isinstance(arrays, str) else jax.dlpack.from_dlpack(arrays)
+
+
 @pytest.mark.parametrize("case", list(CASES))
-def test_frameworks_agree(pair: tuple[str, str], case: str) -> None:
+def test_every_backend_agrees(case: str) -> None:
     shape, options = CASES[case]
     inp = make_inputs(**shape)
-    dt = getattr(torch, inp.dtype)
-    x, w = torch.tensor(inp.x).to(dt), torch.tensor(inp.weight).to(dt)
-    b = None if inp.bias is None else torch.tensor(inp.bias).to(dt)
-    t = torch.tensor(inp.target)
-    lab = None if inp.labels is None else torch.tensor(inp.labels, dtype=torch.int32)
-    to_jax = lambda a: None if a is None else jax.dlpack.from_dlpack(a)  # the same memory
-    jax_options = dict(options)
-    torch_options = dict(options)
-    if "accum_dtype" in options:
-        torch_options["accum_dtype"] = getattr(torch, options["accum_dtype"])
+    tensors = _tensors(inp)
+    got = {b: _torch_run(b.split("/")[1], tensors, dict(options)) for b in TORCH_BACKENDS}
+    got |= {b: _jax_run(b.split("/")[1], _to_jax(tensors), dict(options)) for b in JAX_BACKENDS}
+    assert set(got) == set(ALL_BACKENDS)
 
-    got_t = _torch_run(pair[0], x, w, t, lab, b, torch_options)
-    got_j = _jax_run(pair[1], *map(to_jax, (x, w, t, lab, b)), jax_options)
     tol = TOLERANCE[inp.dtype]
-    assert abs(got_t[0] - got_j[0]) <= tol * max(abs(got_t[0]), 1e-6), (got_t[0], got_j[0])
-    for name, a, c in zip(("grad_x", "grad_weight", "grad_bias"), got_t[1:], got_j[1:], strict=False):
-        assert (a is None) == (c is None), name
-        if a is not None:
-            assert rel_err(c, a) <= tol, f"{name}: {rel_err(c, a):.3g}"
+    for a in TORCH_BACKENDS:
+        for c in JAX_BACKENDS:
+            ta, tc = got[a], got[c]
+            assert abs(ta[0] - tc[0]) <= tol * max(abs(ta[0]), 1e-2), (a, c, ta[0], tc[0])
+            for name, ga, gc in zip(("grad_x", "grad_weight", "grad_bias"), ta[1:], tc[1:], strict=True):
+                assert (ga is None) == (gc is None), (a, c, name)
+                if ga is not None:
+                    assert rel_err(gc, ga) <= tol, f"{a} vs {c}: {name} {rel_err(gc, ga):.3g}"
+    for bridge in BRIDGES:  # the same kernels as the other framework's backend of that name
+        framework, name = bridge.split("/")
+        native = f"{'jax' if framework == 'torch' else 'torch'}/{name}"
+        assert got[bridge][0] == got[native][0], (bridge, native)
+        for gb, gn in zip(got[bridge][1:], got[native][1:], strict=True):
+            assert (gb is None and gn is None) or np.array_equal(gb, gn), (bridge, native)

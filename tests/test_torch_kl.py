@@ -1,150 +1,160 @@
-"""torch_kl behaviour beyond the shared matrix: autograd, the module form, needs, autocast."""
+"""torch_kl behaviour beyond the shared matrix: autograd, needs, autocast, torch.compile."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
-from harness import assert_matches, make_inputs, run
+from harness import TORCH_BACKENDS, Outputs, assert_matches, make_inputs, run
 
 import torch_kl
-from torch_kl import chunked
+import torch_kl.backends
+import torch_kl.driver
+from torch_kl.backends import torch_phases
 
-BACKENDS = ("torch", "triton")
+NAMES = [b.split("/")[1] for b in TORCH_BACKENDS]
 
 
 def _tensors(inp, requires_grad=True):
-    x = torch.tensor(inp.x, requires_grad=requires_grad)
-    w = torch.tensor(inp.weight, requires_grad=requires_grad)
-    b = None if inp.bias is None else torch.tensor(inp.bias, requires_grad=requires_grad)
+    """``x, weight, target, labels, bias`` and the teacher's keywords, as torch tensors."""
+    dt = getattr(torch, inp.dtype)
+    x = torch.tensor(inp.x).to(dt).requires_grad_(requires_grad)
+    w = torch.tensor(inp.weight).to(dt).requires_grad_(requires_grad)
+    b = None if inp.bias is None else torch.tensor(inp.bias).to(dt).requires_grad_(requires_grad)
     lab = None if inp.labels is None else torch.tensor(inp.labels)
-    return x, w, torch.tensor(inp.target), lab, b
+    teacher = {k: torch.tensor(v) if isinstance(v, np.ndarray) else v for k, v in inp.teacher().items()}
+    return x, w, torch.tensor(inp.target), lab, b, teacher
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_module_is_a_drop_in(backend: str) -> None:
-    inp = make_inputs(12, 6, 29, bias=True)
-    x, w, t, lab, b = _tensors(inp)
-    # Liger's constructor order: reduction, ignore_index, temperature, eps, accum_dtype.
-    module = torch_kl.FusedLinearKLDivLoss("sum", -100, 2.0, 1e-10, None, backend=backend)
-    loss = module(x, w, t, lab, b)
+@pytest.mark.parametrize("backend", NAMES)
+@pytest.mark.parametrize("fmt", ["probs", "hidden", "topk_log_probs"])
+def test_inputs_are_never_modified(backend: str, fmt: str) -> None:
+    inp = make_inputs(10, 5, 23, bias=True, target_format=fmt, teacher_bias=True, k=4, pad_frac=0.5)
+    x, w, t, lab, b, teacher = _tensors(inp)
+    arrays = [x, w, t, lab, b, *(v for v in teacher.values() if isinstance(v, torch.Tensor))]
+    before = [a.detach().clone() for a in arrays]
+    loss = torch_kl.fused_linear_kl_div(x, w, t, lab, bias=b, backend=backend, chunk_size=3, weight_hard_loss=0.5,
+                                        **teacher)
     loss.backward()
-    assert "reduction='sum'" in repr(module)
-    out = run(f"torch/{backend}", inp, reduction="sum", temperature=2.0)
-    assert float(loss) == pytest.approx(out.loss, rel=1e-6)
-    np.testing.assert_allclose(x.grad.numpy(), out.grad_x, rtol=1e-5, atol=1e-7)
+    for a, old in zip(arrays, before, strict=True):
+        assert torch.equal(a.detach(), old)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_inputs_are_never_modified(backend: str) -> None:
-    inp = make_inputs(10, 5, 23, bias=True)
-    tensors = _tensors(inp)
-    before = [None if a is None else a.detach().clone() for a in tensors]
-    loss = torch_kl.fused_linear_kl_div(*tensors[:4], bias=tensors[4], backend=backend, chunk_size=3)
-    loss.backward()
-    for a, b in zip(tensors, before, strict=False):
-        assert torch.equal(a.detach(), b)
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_non_contiguous_inputs(backend: str) -> None:
-    inp = make_inputs(9, 6, 31, target_format="log_probs")
-    _x, _w, _t, lab, _ = _tensors(inp)
+@pytest.mark.parametrize("backend", NAMES)
+@pytest.mark.parametrize("fmt", ["log_probs", "hidden", "topk_log_probs"])
+def test_non_contiguous_inputs(backend: str, fmt: str) -> None:
+    inp = make_inputs(9, 6, 31, target_format=fmt, k=5, pad_frac=0.5)
+    *_, lab, _, teacher = _tensors(inp)
     x_nc = torch.tensor(inp.x.T.copy()).T.requires_grad_()  # column-major
     t_nc = torch.tensor(inp.target.T.copy()).T
     w_nc = torch.tensor(np.asfortranarray(inp.weight)).requires_grad_()
-    assert not (x_nc.is_contiguous() or t_nc.is_contiguous())
-    loss = torch_kl.fused_linear_kl_div(x_nc, w_nc, t_nc, lab, target_format="log_probs", backend=backend)
+    teacher = {k: torch.tensor(np.asfortranarray(v.numpy())) if isinstance(v, torch.Tensor) else v
+               for k, v in teacher.items()}
+    assert not (x_nc.is_contiguous() or t_nc.is_contiguous() or w_nc.is_contiguous())
+    loss = torch_kl.fused_linear_kl_div(x_nc, w_nc, t_nc, lab, backend=backend, beta=0.0, **teacher)
     loss.backward()
-    want = run(f"torch/{backend}", inp, target_format="log_probs")
+    want = run(f"torch/{backend}", inp)
     assert float(loss) == pytest.approx(want.loss, rel=1e-6)
     np.testing.assert_allclose(x_nc.grad.numpy(), want.grad_x, rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(w_nc.grad.numpy(), want.grad_weight, rtol=1e-5, atol=1e-7)
 
 
 class _Spy:
-    """Records what the chunk loop asks of the kernel and of the grad_weight GEMM."""
+    """Records whether the ``finish`` phase writes dL/dz, and counts the grad_weight GEMMs."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.write_grad: list[bool] = []
         self.weight_gemms = 0
-        kernel = chunked.row_kernel("torch")
-        accumulate = chunked._accumulate
+        finish, accumulate = torch_phases.finish, torch_kl.driver._accumulate
 
-        def spy_kernel(*args):
+        def spy_finish(*args):
             self.write_grad.append(args[-1])
-            return kernel(*args)
+            return finish(*args)
 
-        def spy_accumulate(*args):
+        def spy_accumulate(*args, **kwargs):
             self.weight_gemms += 1
-            return accumulate(*args)
+            return accumulate(*args, **kwargs)
 
-        monkeypatch.setattr(chunked, "row_kernel", lambda backend: spy_kernel)
-        monkeypatch.setattr(chunked, "_accumulate", spy_accumulate)
+        monkeypatch.setattr(torch_phases, "finish", spy_finish)
+        monkeypatch.setattr(torch_kl.driver, "_accumulate", spy_accumulate)
 
 
 def test_loss_only_without_grad(monkeypatch: pytest.MonkeyPatch) -> None:
     spy = _Spy(monkeypatch)
     inp = make_inputs(10, 4, 19)
-    x, w, t, lab, _ = _tensors(inp)
+    x, w, t, lab, _, _ = _tensors(inp)
     with torch.no_grad():
         loss = torch_kl.fused_linear_kl_div(x, w, t, lab, backend="torch", chunk_size=4)
     assert not loss.requires_grad
     assert spy.write_grad == [False] * 3 and spy.weight_gemms == 0
     loss2 = torch_kl.fused_linear_kl_div(x.detach(), w.detach(), t, lab, backend="torch", chunk_size=4)
     assert float(loss2) == float(loss)
+    torch_kl.fused_linear_kl_div(x, w, t, lab, backend="torch", chunk_size=4).backward()  # the spy sees gradients
+    assert spy.write_grad == [False] * 6 + [True] * 3 and spy.weight_gemms == 3
 
 
-def test_frozen_head_skips_the_weight_gemm(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("fmt", ["probs", "hidden"])
+def test_frozen_head_skips_the_weight_gemm(monkeypatch: pytest.MonkeyPatch, fmt: str) -> None:
     spy = _Spy(monkeypatch)
-    inp = make_inputs(10, 4, 19)
-    x, w, t, lab, _ = _tensors(inp)
+    inp = make_inputs(10, 4, 19, target_format=fmt)
+    x, w, t, lab, _, teacher = _tensors(inp)
     w.requires_grad_(False)
-    torch_kl.fused_linear_kl_div(x, w, t, lab, backend="torch", chunk_size=4).backward()
+    torch_kl.fused_linear_kl_div(x, w, t, lab, backend="torch", chunk_size=4, **teacher).backward()
     assert spy.weight_gemms == 0 and all(spy.write_grad)
     assert w.grad is None and x.grad is not None
 
 
-def test_target_gets_no_gradient() -> None:
-    inp = make_inputs(6, 4, 17)
-    x, w, t, lab, _ = _tensors(inp)
+def test_teacher_gets_no_gradient() -> None:
+    inp = make_inputs(6, 4, 17, target_format="hidden", teacher_bias=True)
+    x, w, t, lab, _, teacher = _tensors(inp)
     t.requires_grad_()
-    torch_kl.fused_linear_kl_div(x, w, t, lab, backend="torch").backward()
-    assert t.grad is None and x.grad is not None
+    for k in ("teacher_weight", "teacher_bias"):
+        teacher[k].requires_grad_()
+    torch_kl.fused_linear_kl_div(x, w, t, lab, backend="torch", **teacher).backward()
+    assert t.grad is None and teacher["teacher_weight"].grad is None and teacher["teacher_bias"].grad is None
+    assert x.grad is not None
 
 
 def test_second_backward_is_refused() -> None:
     inp = make_inputs(6, 4, 17)
-    x, w, t, lab, _ = _tensors(inp)
+    x, w, t, lab, _, _ = _tensors(inp)
     loss = torch_kl.fused_linear_kl_div(x, w, t, lab, backend="torch")
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="backward ran twice"):
         loss.backward()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_autocast_runs_the_head_in_bf16(backend: str) -> None:
-    inp = make_inputs(16, 8, 37)
-    x, w, t, lab, _ = _tensors(inp)
+    inp = make_inputs(16, 8, 37, target_format="logits")
+    x, w, t, lab, _, teacher = _tensors(inp)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss = torch_kl.fused_linear_kl_div(x, w, t, lab, backend=backend)
+        loss = torch_kl.fused_linear_kl_div(x, w, t, lab, backend=backend, beta=0.5, **teacher)
     loss.backward()
     assert loss.dtype == torch.float32 and x.grad.dtype == torch.float32 and w.grad.dtype == torch.float32
-    bf16 = make_inputs(16, 8, 37, dtype="bfloat16")  # the same draws, rounded as autocast rounds them
-    out = type(run("torch/torch", bf16))(float(loss), x.grad.double().numpy(), w.grad.double().numpy(), None)
-    assert_matches(out, bf16)
+    # The same draws, rounded as autocast rounds them.
+    bf16 = make_inputs(16, 8, 37, dtype="bfloat16", target_format="logits")
+    assert_matches(Outputs(float(loss), x.grad.double().numpy(), w.grad.double().numpy(), None), bf16, beta=0.5)
 
 
 def test_auto_backend_on_cpu_is_torch() -> None:
-    from torch_kl.validate import resolve_backend
+    assert torch_kl.backends.resolve("auto", torch.device("cpu")).name == "torch"
 
-    assert resolve_backend("auto", torch.device("cpu")) == "torch"
+
+def test_jsd_module_honours_chunk_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    sizes = []
+    plan_chunks = torch_kl.driver.plan_chunks
+    monkeypatch.setattr(torch_kl.driver, "plan_chunks", lambda *a: sizes.append(a[3]) or plan_chunks(*a))
+    inp = make_inputs(10, 4, 19, target_format="hidden")
+    x, w, t, lab, _, teacher = _tensors(inp)
+    torch_kl.FusedLinearJSDLoss(chunk_size=3, backend="torch")(x, w, t, teacher["teacher_weight"], lab)
+    assert sizes == [3]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("g", [1.0, 3.0, 0.1])
 def test_rescale_kernel_multiplies_in_float32(dtype: torch.dtype, g: float) -> None:
-    from torch_kl.rescale import BLOCK, scale_
+    from torch_kl.backends.rescale import BLOCK, scale_
 
     grad = torch.randn(2 * BLOCK + 37, generator=torch.Generator().manual_seed(0)).to(dtype)
     got = grad.clone()
@@ -155,3 +165,37 @@ def test_rescale_kernel_multiplies_in_float32(dtype: torch.dtype, g: float) -> N
         torch.testing.assert_close(got, want, rtol=2**-7, atol=0)
     else:
         assert torch.equal(got, want)
+
+
+def test_torch_compile_fullgraph_gives_the_eager_result() -> None:
+    """A training step under ``torch.compile(fullgraph=True)`` (no graph break): the eager loss
+    and gradients, with ignored rows, a non-contiguous view of ``x`` and the v2 loss terms; a kept
+    label outside the vocabulary makes the loss NaN there instead of raising (SPEC: compilation)."""
+    inp = make_inputs(10, 6, 23, target_format="logits", ignore_frac=0.4, bias=True)
+    assert (inp.labels == -100).any() and (inp.labels != -100).any()
+    x_t = torch.tensor(inp.x.T.copy())  # x is a transposed, non-contiguous view of this
+    w, b = torch.tensor(inp.weight), torch.tensor(inp.bias)
+    t, lab = torch.tensor(inp.target), torch.tensor(inp.labels)
+
+    def step(x_t, w, b, t, lab):
+        return torch_kl.fused_linear_kl_div(x_t.t(), w, t, lab, bias=b, target_format="logits", backend="torch",
+                                            chunk_size=4, beta=0.5, weight_hard_loss=0.5, label_smoothing=0.1,
+                                            softcap=5.0)
+
+    def loss_and_grads(fn, lab):
+        leaves = [a.clone().requires_grad_() for a in (x_t, w, b)]
+        loss = fn(*leaves, t, lab)
+        loss.backward()
+        return [loss.detach(), *(a.grad for a in leaves)]
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True)
+    eager = loss_and_grads(step, lab)
+    got = loss_and_grads(compiled, lab)
+    for a, c in zip(eager, got, strict=True):
+        torch.testing.assert_close(c, a, rtol=1e-6, atol=1e-7)
+    bad = lab.clone()
+    bad[int(np.flatnonzero(inp.labels != -100)[0])] = 23  # kept, and outside [0, V)
+    with pytest.raises(ValueError, match=r"^labels: "):
+        step(x_t, w, b, t, bad)
+    assert torch.isnan(compiled(x_t, w, b, t, bad))
