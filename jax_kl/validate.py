@@ -65,8 +65,13 @@ def check_values(loss: Loss, labels: object, indices: object, v_total: int) -> N
 
 
 def validate(
-    arrays: dict[str, object], vocab_shards: int = 1, *, accum_dtype: object, with_teacher: bool = True,
-    single_device: bool = True, **options: object
+    arrays: dict[str, object],
+    vocab_shards: int = 1,
+    *,
+    accum_dtype: object,
+    with_teacher: bool = True,
+    single_device: bool = True,
+    **options: object,
 ) -> tuple[Shapes, Loss, RunOptions]:
     """Check every argument; return the problem's sizes, the loss and the run options.
     ``vocab_shards`` is the number of vocabulary slices ``weight`` is one of."""
@@ -84,8 +89,9 @@ def validate(
     v_total = weight.shape[0] * vocab_shards if hasattr(weight, "shape") and len(weight.shape) == 2 else None
     shapes = check_array_args(facts, loss, v_total, **arrays)
     if chosen.single_device and not single_device:
-        raise ValueError(f"backend: {backend!r} runs on one device; mesh, batch_axis and vocab_axis need "
-                         "'pallas' or 'xla'")
+        raise ValueError(
+            f"backend: {backend!r} runs on one device; mesh, batch_axis and vocab_axis need 'pallas' or 'xla'"
+        )
     if arrays.get("labels") is not None and not jax.config.jax_enable_x64:
         # Else the comparison with the labels overflows inside the jitted program.
         check_int32_ignore_index(loss.ignore_index, "JAX's labels are int32 without jax_enable_x64")
