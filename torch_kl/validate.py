@@ -35,10 +35,24 @@ def _kind(dtype: torch.dtype) -> str:
     return "float" if dtype.is_floating_point else "int"
 
 
+def _dtensor_placements(value: torch.Tensor) -> tuple | None:
+    """The placements of a ``DTensor``, or None for a plain tensor."""
+    placements = getattr(value, "placements", None)
+    return None if placements is None or not hasattr(value, "to_local") else tuple(placements)
+
+
 def facts(name: str, value: object) -> ArrayFacts:
-    """Describe a tensor argument, or raise ``TypeError`` if it is not one."""
+    """Describe a tensor argument, or raise ``TypeError`` if it is not one. A ``DTensor`` is
+    refused: its local block is not the array the contract describes (a ``Shard(0)`` head from
+    FSDP2 would be a slice of the vocabulary)."""
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
+    if (placements := _dtensor_placements(value)) is not None:
+        raise ValueError(
+            f"{name}: expected a plain torch.Tensor, got a DTensor with placements {placements}: pass the full "
+            "array (call the loss where FSDP2 has unsharded the head), a local slice with batch_group= / "
+            "vocab_group=, or use torch_kl.parallel.LinearLossParallel"
+        )
     return ArrayFacts(tuple(value.shape), _dtype_name(value.dtype), _kind(value.dtype), str(value.device))
 
 
