@@ -179,29 +179,52 @@ def run(
     return (_run_torch if framework == "torch" else _run_jax)(name, inp, fn, upstream, grads, options)
 
 
+def torch_tensors(inp: Inputs, *, requires_grad: bool = False, index_dtype: str = "int64") -> dict:
+    """The inputs as torch tensors, keyed by argument name: ``x``, ``weight``, ``bias`` (requiring
+    grad if asked), ``target``, ``labels`` and the teacher's keywords (``target_format`` included)."""
+    import torch
+
+    def tensor(a, dtype: str, grad: bool = False):
+        return None if a is None else torch.tensor(a).to(getattr(torch, dtype)).requires_grad_(grad)
+
+    out = {k: tensor(getattr(inp, k), inp.dtype, requires_grad) for k in ("x", "weight", "bias")}
+    out |= dict(target=tensor(inp.target, inp.target_dtype), labels=tensor(inp.labels, index_dtype))
+    teacher = inp.teacher()
+    for key in ("teacher_weight", "teacher_bias", "target_indices"):
+        if key in teacher:
+            teacher[key] = tensor(teacher[key], index_dtype if key == "target_indices" else inp.dtype)
+    return out | teacher
+
+
+def jax_arrays(inp: Inputs) -> dict:
+    """The inputs as JAX arrays (integers int32), keyed as :func:`torch_tensors`'s."""
+    import jax.numpy as jnp
+
+    def array(a, dtype):
+        return None if a is None else jnp.asarray(a, dtype)
+
+    out = {k: array(getattr(inp, k), inp.dtype) for k in ("x", "weight", "bias")}
+    out |= dict(target=array(inp.target, inp.target_dtype), labels=array(inp.labels, jnp.int32))
+    teacher = inp.teacher()
+    for key in ("teacher_weight", "teacher_bias", "target_indices"):
+        if key in teacher:
+            teacher[key] = array(teacher[key], jnp.int32 if key == "target_indices" else inp.dtype)
+    return out | teacher
+
+
 def _run_torch(name: str, inp: Inputs, fn: str, upstream: float, grads: bool, options: dict) -> Outputs:
     import torch
 
     import torch_kl
 
-    def tensor(a, dtype: str, requires_grad: bool = False):
-        return None if a is None else torch.tensor(a).to(getattr(torch, dtype)).requires_grad_(requires_grad)
-
-    x, w, b = (tensor(a, inp.dtype, grads) for a in (inp.x, inp.weight, inp.bias))
-    lab = None if inp.labels is None else torch.tensor(inp.labels)
+    a = torch_tensors(inp, requires_grad=grads)
+    x, w, b, target, lab = (a.pop(k) for k in ("x", "weight", "bias", "target", "labels"))
     if isinstance(options.get("accum_dtype"), str):
         options = {**options, "accum_dtype": getattr(torch, options["accum_dtype"])}
     if fn == "cross_entropy":
         loss = torch_kl.fused_linear_cross_entropy(x, w, lab, bias=b, backend=name, **options)
     else:
-        teacher = inp.teacher()
-        for key in ("teacher_weight", "teacher_bias"):
-            if key in teacher:
-                teacher[key] = tensor(teacher[key], inp.dtype)
-        if "target_indices" in teacher:
-            teacher["target_indices"] = torch.tensor(teacher["target_indices"])
-        target = tensor(inp.target, inp.target_dtype)
-        loss = torch_kl.fused_linear_kl_div(x, w, target, lab, bias=b, backend=name, **teacher, **options)
+        loss = torch_kl.fused_linear_kl_div(x, w, target, lab, bias=b, backend=name, **a, **options)
     assert loss.dtype == torch.float32 and loss.shape == ()
     if grads:
         (loss * upstream).backward()
@@ -218,20 +241,10 @@ def _run_jax(name: str, inp: Inputs, fn: str, upstream: float, grads: bool, opti
 
     import jax_kl
 
-    def array(a, dtype):
-        return None if a is None else jnp.asarray(a, dtype)
-
-    x, w, b = (array(a, inp.dtype) for a in (inp.x, inp.weight, inp.bias))
-    lab = array(inp.labels, jnp.int32)
-    teacher = inp.teacher()
-    for key in ("teacher_weight", "teacher_bias"):
-        if key in teacher:
-            teacher[key] = array(teacher[key], inp.dtype)
-    if "target_indices" in teacher:
-        teacher["target_indices"] = array(teacher["target_indices"], jnp.int32)
-    arrays = {k: v for k, v in teacher.items() if k in TEACHER_ARRAYS}
-    static = {k: v for k, v in teacher.items() if k not in TEACHER_ARRAYS}
-    target = array(inp.target, inp.target_dtype)
+    a = jax_arrays(inp)
+    static = {k: v for k, v in a.items() if isinstance(v, str)}  # target_format
+    x, w, b, target, lab = (a.pop(k) for k in ("x", "weight", "bias", "target", "labels"))
+    arrays = {k: v for k, v in a.items() if k not in static}
 
     def f(x, w, b, target, lab, arrays):
         if fn == "cross_entropy":

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from harness import JAX_BACKENDS, expected, make_inputs
+from harness import JAX_BACKENDS, expected, jax_arrays, make_inputs
 
 import jax_kl
 import jax_kl.backends
@@ -20,9 +20,8 @@ OPTIONS = dict(target_format="logits", beta=0.5, weight_hard_loss=0.5, softcap=4
 
 
 def _arrays(inp):
-    lab = None if inp.labels is None else jnp.asarray(inp.labels, jnp.int32)
-    b = None if inp.bias is None else jnp.asarray(inp.bias)
-    return jnp.asarray(inp.x), jnp.asarray(inp.weight), jnp.asarray(inp.target), lab, b
+    arrays = jax_arrays(inp)
+    return tuple(arrays[k] for k in ("x", "weight", "target", "labels", "bias"))
 
 
 @pytest.mark.parametrize("backend", ["xla", "pallas"])

@@ -9,7 +9,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from harness import ALL_BACKENDS, BRIDGES, JAX_BACKENDS, TOLERANCE, TORCH_BACKENDS, make_inputs, rel_err
+from harness import (
+    ALL_BACKENDS,
+    BRIDGES,
+    JAX_BACKENDS,
+    TOLERANCE,
+    TORCH_BACKENDS,
+    make_inputs,
+    rel_err,
+    torch_tensors,
+)
 
 import jax_kl
 import torch_kl
@@ -40,67 +49,59 @@ CASES = {
 }
 
 
+GRADS = ("x", "weight", "bias")
+
+
+def _split(arrays: dict) -> tuple[dict, dict, dict]:
+    """``(x, weight, bias)``, the other arrays, the static keywords (``target_format``)."""
+    leaves = {k: arrays[k] for k in GRADS}
+    static = {k: v for k, v in arrays.items() if isinstance(v, str)}
+    return leaves, {k: v for k, v in arrays.items() if k not in leaves and k not in static}, static
+
+
 def _torch_run(backend: str, arrays: dict, options: dict) -> list:
     fn = options.pop("fn", "kl_div")
-    leaves = {k: None if arrays[k] is None else arrays[k].detach().clone().requires_grad_() for k in ("x", "w", "b")}
+    leaves, rest, static = _split(arrays)
+    leaves = {k: None if a is None else a.detach().clone().requires_grad_() for k, a in leaves.items()}
     if "accum_dtype" in options:
         options["accum_dtype"] = getattr(torch, options["accum_dtype"])
+    x, w, b = leaves.values()
+    labels = rest.pop("labels")
     if fn == "cross_entropy":
-        loss = torch_kl.fused_linear_cross_entropy(leaves["x"], leaves["w"], arrays["labels"], bias=leaves["b"],
-                                                   backend=backend, **options)
+        loss = torch_kl.fused_linear_cross_entropy(x, w, labels, bias=b, backend=backend, **options)
     else:
-        loss = torch_kl.fused_linear_kl_div(leaves["x"], leaves["w"], arrays["target"], arrays["labels"],
-                                            bias=leaves["b"], backend=backend, **arrays["teacher"], **options)
+        loss = torch_kl.fused_linear_kl_div(x, w, rest.pop("target"), labels, bias=b, backend=backend, **rest,
+                                            **static, **options)
     loss.backward()
     return [float(loss.detach())] + [None if a is None else a.grad.float().numpy() for a in leaves.values()]
 
 
 def _jax_run(backend: str, arrays: dict, options: dict) -> list:
     fn = options.pop("fn", "kl_div")
+    leaves, rest, static = _split(arrays)
 
     def f(x, w, b, rest):
+        rest = dict(rest)
+        labels = rest.pop("labels")
         if fn == "cross_entropy":
-            return jax_kl.fused_linear_cross_entropy(x, w, rest["labels"], bias=b, backend=backend, **options)
-        return jax_kl.fused_linear_kl_div(x, w, rest["target"], rest["labels"], bias=b, backend=backend,
-                                          **rest["teacher"], **static, **options)
+            return jax_kl.fused_linear_cross_entropy(x, w, labels, bias=b, backend=backend, **options)
+        return jax_kl.fused_linear_kl_div(x, w, rest.pop("target"), labels, bias=b, backend=backend, **rest,
+                                          **static, **options)
 
-    static = {k: v for k, v in arrays["teacher"].items() if isinstance(v, str)}
-    rest = dict(target=arrays["target"], labels=arrays["labels"],
-                teacher={k: v for k, v in arrays["teacher"].items() if not isinstance(v, str)})
-    loss, grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))(arrays["x"], arrays["w"], arrays["b"], rest)
+    loss, grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))(*leaves.values(), rest)
     return [float(loss)] + [None if g is None else np.asarray(g.astype(jnp.float32)) for g in grads]
-
-
-def _tensors(inp) -> dict:
-    """The inputs as torch tensors (labels and token ids int32, so that JAX takes them as they are)."""
-    dt = getattr(torch, inp.dtype)
-
-    def tensor(a, dtype):
-        return None if a is None else torch.tensor(a).to(dtype)
-
-    teacher = inp.teacher()
-    for key in ("teacher_weight", "teacher_bias"):
-        if key in teacher:
-            teacher[key] = tensor(teacher[key], dt)
-    if "target_indices" in teacher:
-        teacher["target_indices"] = tensor(teacher["target_indices"], torch.int32)
-    return dict(x=tensor(inp.x, dt), w=tensor(inp.weight, dt), b=tensor(inp.bias, dt),
-                target=tensor(inp.target, getattr(torch, inp.target_dtype)), labels=tensor(inp.labels, torch.int32),
-                teacher=teacher)
 
 
 def _to_jax(arrays: dict) -> dict:
     """The same memory as JAX arrays (DLPack), strings left as they are."""
-    if isinstance(arrays, dict):
-        return {k: _to_jax(v) for k, v in arrays.items()}
-    return arrays if arrays is None or isinstance(arrays, str) else jax.dlpack.from_dlpack(arrays)
+    return {k: a if a is None or isinstance(a, str) else jax.dlpack.from_dlpack(a) for k, a in arrays.items()}
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_every_backend_agrees(case: str) -> None:
     shape, options = CASES[case]
     inp = make_inputs(**shape)
-    tensors = _tensors(inp)
+    tensors = torch_tensors(inp, index_dtype="int32")  # int32: JAX takes them as they are
     got = {b: _torch_run(b.split("/")[1], tensors, dict(options)) for b in TORCH_BACKENDS}
     got |= {b: _jax_run(b.split("/")[1], _to_jax(tensors), dict(options)) for b in JAX_BACKENDS}
     assert set(got) == set(ALL_BACKENDS)
