@@ -1,4 +1,4 @@
-"""The float64 reference of SPEC.md (v1 + v2): the unfused computation in float64 with autograd.
+"""The float64 reference of docs/contract.md: the unfused computation in float64 with autograd.
 
 Whole ``[N, V]`` logits, no chunks, no online softmax; torch float64 ops, gradients from
 ``torch.autograd.grad`` with respect to ``x``, ``weight`` and ``bias`` (the teacher is a constant)::
@@ -95,7 +95,7 @@ def reference(
     target_indices: Any = None, topk_tail: str = "bin", teacher_logit_scale: float = 1.0,
     teacher_softcap: float | None = None,
 ) -> Expected:
-    """Loss and gradients of SPEC.md's loss in float64 (see the module docstring for the math)."""
+    """Loss and gradients of the contract's loss in float64 (see the module docstring for the math)."""
     import torch
 
     if reduction not in ("batchmean", "sum", "mean"):

@@ -178,7 +178,7 @@ def test_topk_bin_tail_of_a_confident_student(backend: str) -> None:
 
 # ---------------------------------------------------------------- v1 calls are unchanged
 
-# SPEC.md's v2 keywords and their defaults, written out: a v1 call passes none of them.
+# The contract's newer keywords and their defaults, written out: a v1 call passes none of them.
 V2_DEFAULTS = dict(
     beta=0.0, weight_hard_loss=0.0, weight_soft_loss=1.0, label_smoothing=0.0, logit_scale=1.0, softcap=None,
     teacher_weight=None, teacher_bias=None, target_indices=None, topk_tail="bin", teacher_logit_scale=1.0,

@@ -1,4 +1,4 @@
-"""Property tests: random configurations of every option of SPEC.md (v1 and v2) on every
+"""Property tests: random configurations of every option of docs/contract.md on every
 backend of both frameworks, against the float64 reference.
 
 Each example draws a shape, a dtype, a teacher format (dense, hidden, top-k), the divergence

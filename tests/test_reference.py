@@ -1,5 +1,5 @@
 """The float64 reference (fused_kl.reference) against independent closed forms: NumPy formulas,
-SPEC.md's gradient tables, torch.nn.functional, and finite differences."""
+docs/contract.md's gradient tables, torch.nn.functional, and finite differences."""
 
 from __future__ import annotations
 
@@ -126,7 +126,7 @@ def test_cross_entropy_equals_torch(reduction, smoothing, transform):
 
 
 def _np_divergence(x, w, b, p, log_p, beta, temp=1.0):
-    """Row losses straight from SPEC.md's beta table; ``log_p`` floored where the format floors."""
+    """Row losses straight from the contract's beta table; ``log_p`` floored where the format floors."""
     log_q = _log_softmax(_logits(x, w, b) / temp)
     q = np.exp(log_q)
     if beta == 1:

@@ -47,7 +47,7 @@ INTEGER = ("labels", "target_indices")
 
 
 class Torch:
-    """Builds the call in torch; dtypes are named as in SPEC.md."""
+    """Builds the call in torch; dtypes are named as in docs/contract.md."""
 
     name = "torch"
     fn = staticmethod(torch_kl.fused_linear_kl_div)
