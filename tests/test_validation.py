@@ -1,4 +1,4 @@
-"""Bad input (SPEC v1 and v2): every case raises the right exception in both frameworks, with
+"""Bad input (docs/contract.md): every case raises the right exception in both frameworks, with
 the same message naming the argument, before any kernel runs and without touching the inputs;
 in JAX the same error again at trace time under ``jax.jit`` (the checks of values excepted)."""
 

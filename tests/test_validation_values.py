@@ -36,7 +36,7 @@ def _call_jax(arrays: dict, **options):
 
 
 # fused_kl.rowmath.topk reads an index outside the vocabulary as a token of another vocabulary
-# slice (``local`` is False) even on one device: that row's loss stays finite, not NaN (SPEC v2).
+# slice (``local`` is False) even on one device: that row's loss stays finite, not NaN (docs/contract.md).
 TOPK_INDEX_BUG = pytest.mark.xfail(strict=True, raises=AssertionError,
                                    reason="library bug: out-of-range top-k index under jit is not NaN")
 
