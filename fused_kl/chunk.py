@@ -64,6 +64,9 @@ def row_phases(
             ops.gather(z, at), local, ops.f32(log_p), is_label, (stats[:, 0], stats[:, 1]),
             rowmath.row_scales(keep, weights, loss, xp), loss, v_total, layout.vocab_sum, xp,
         )  # fmt: skip
+        # A token id outside the whole vocabulary (only possible under jit / compile, where the
+        # values went unchecked) makes its row's loss NaN, as the contract says.
+        soft = xp.where(((idx >= 0) & (idx < v_total)).all(-1), soft, float("nan"))
     coefs = rowmath.coefficients(stats, keep, value_sums, topk_const, weights, loss, xp)
     g = partial = None
     if write_grad or kind == "forward":

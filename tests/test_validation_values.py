@@ -35,15 +35,8 @@ def _call_jax(arrays: dict, **options):
     return jax_kl.fused_linear_kl_div(a.pop("x"), a.pop("weight"), a.pop("target"), a.pop("labels"), **a, **options)
 
 
-# fused_kl.rowmath.topk reads an index outside the vocabulary as a token of another vocabulary
-# slice (``local`` is False) even on one device: that row's loss stays finite, not NaN (docs/contract.md).
-TOPK_INDEX_BUG = pytest.mark.xfail(strict=True, raises=AssertionError,
-                                   reason="library bug: out-of-range top-k index under jit is not NaN")
-
-
 @pytest.mark.parametrize("backend", [b.split("/")[1] for b in JAX_BACKENDS])
-@pytest.mark.parametrize("bad", ["label 11", pytest.param("index -1", marks=TOPK_INDEX_BUG),
-                                 pytest.param("index 11", marks=TOPK_INDEX_BUG)])
+@pytest.mark.parametrize("bad", ["label 11", "index -1", "index 11"])
 def test_jit_bad_label_or_index_makes_the_loss_nan(backend: str, bad: str) -> None:
     """Under ``jax.jit`` the values are not known: a kept label outside ``[0, V)`` (hard term) or
     a top-k index outside it makes the loss NaN instead of an error (eager: the error)."""
