@@ -160,6 +160,14 @@ def check_options(
     return loss, run
 
 
+def cross_entropy_reduction(reduction: object) -> object:
+    """The loss reduction of the fused cross-entropy's ``"mean"`` / ``"sum"`` (torch's meanings:
+    ``"mean"`` divides by the kept rows); ``"none"`` goes on to :func:`check_options`' message."""
+    if reduction == "none":
+        return reduction
+    return {"mean": "batchmean", "sum": "sum"}[_one_of("reduction", reduction, ("mean", "sum"))]
+
+
 def _shape(facts: ArrayFacts) -> str:
     return "[" + ", ".join(str(d) for d in facts.shape) + "]"
 

@@ -160,7 +160,7 @@ def topk(
     f = terms.transform(z_at, loss.logit_scale, loss.softcap, xp)
     log_q = f / loss.temperature - lse[:, None]
     q = xp.where(local, xp.exp(log_q), 0.0)
-    in_s = t > float("-inf")
+    in_s = t != float("-inf")  # a NaN log-probability stays in the support, and propagates
     p = xp.exp(t)
     mass = p.sum(-1)
     big_q = vocab_sum(xp.where(in_s, q, 0.0).sum(-1))
@@ -176,7 +176,7 @@ def topk(
         r = xp.where(q_t > eps, p_t / xp.where(q_t > eps, q_t, 1.0), 0.0)
         k = mass - r * big_q
     log_p = xp.where(p > 0, xp.log(xp.where(p > 0, p, 1.0)), 0.0)
-    soft = vocab_sum(xp.where(local & (p > 0), p * (log_p - log_q), 0.0).sum(-1))
+    soft = vocab_sum(xp.where(local & in_s, p * (log_p - log_q), 0.0).sum(-1))
     if tail == "bin":
         tail_term = p_t * (xp.log(p_t.clip(min=eps)) - xp.log(q_t.clip(min=eps)))
         soft = soft + xp.where(p_t > 0, tail_term, 0.0)

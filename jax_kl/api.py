@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from fused_kl.checks import cross_entropy_reduction
+
 from .autograd import fused_linear_loss
 from .backends import compute_of
 from .layout import Layout
@@ -151,7 +153,7 @@ def fused_linear_cross_entropy(
     ``"mean"`` divides by the kept rows as torch does."""
     arrays = dict(x=x, weight=weight, labels=labels, bias=bias)
     options = dict(
-        reduction="batchmean" if reduction == "mean" else reduction,
+        reduction=cross_entropy_reduction(reduction),
         ignore_index=ignore_index,
         label_smoothing=label_smoothing,
         logit_scale=logit_scale,

@@ -161,7 +161,7 @@ def test_loss_only(backend: str) -> None:
 # fused_kl.rowmath.topk takes the student's mass off the teacher's top-k as q_t = 1 - Q (the contract's
 # formula) in float32: once the student puts all but ~1e-6 of its mass on the top-k tokens, q_t is
 # rounding noise, and so are the tail term p_t log(p_t / q_t) and r = p_t / q_t in dL/dz.
-TOPK_TAIL_BUG = "library bug: top-k 'bin' tail q_t = 1 - Q cancels in float32 for a confident student"
+TOPK_TAIL_BUG = "known limitation (docs/contract.md): the 'bin' tail's q_t = 1 - Q cancels in float32"
 
 
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason=TOPK_TAIL_BUG)

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from harness import ALL_BACKENDS, JAX_BACKENDS, jax_arrays, make_inputs, run
+from harness import ALL_BACKENDS, JAX_BACKENDS, jax_arrays, make_inputs, run, torch_tensors
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -196,14 +196,8 @@ POISON = {  # (make_inputs keywords, the array, its entry, the value)
 }
 
 
-# fused_kl.rowmath.topk reads a NaN log-probability as padding (``t > -inf`` is False) and leaves
-# it out of the loss (``p > 0`` is False): the loss comes out finite, the gradients NaN.
-TOPK_NAN_BUG = pytest.mark.xfail(strict=True, raises=AssertionError,
-                                 reason="library bug: top-k NaN target silently dropped from the loss")
-
-
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
-@pytest.mark.parametrize("case", [pytest.param(c, marks=TOPK_NAN_BUG) if c.startswith("topk") else c for c in POISON])
+@pytest.mark.parametrize("case", POISON)
 def test_nan_and_inf_propagate(backend: str, case: str) -> None:
     shape, where, entry, value = POISON[case]
     inp = make_inputs(6, 4, 11, ignore_frac=None, **shape)
@@ -215,6 +209,17 @@ def test_nan_and_inf_propagate(backend: str, case: str) -> None:
     out = run(backend, inp, chunk_size=4, **options)
     assert math.isnan(out.loss), f"loss {out.loss}: NaN was clamped away"
     assert np.isnan(out.grad_weight).any(), "grad_weight: NaN was clamped away"
+
+
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+@pytest.mark.parametrize("reduction", ["batchmean", "none", "avg"])
+def test_cross_entropy_reductions_are_torchs(framework: str, reduction: str) -> None:
+    """The fused cross-entropy takes torch's ``"mean"`` and ``"sum"``; anything else is refused."""
+    inp = make_inputs(5, 4, 11)
+    fn = torch_kl.fused_linear_cross_entropy if framework == "torch" else jax_kl.fused_linear_cross_entropy
+    arrays = torch_tensors(inp) if framework == "torch" else jax_arrays(inp)
+    with pytest.raises(ValueError, match=r"^reduction: "):
+        fn(arrays["x"], arrays["weight"], arrays["labels"], reduction=reduction)
 
 
 @pytest.mark.parametrize("framework", ["torch", "jax"])

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from fused_kl.checks import cross_entropy_reduction
+
 from . import compiled
 from .autograd import FusedLinearLossFunction
 from .backends import compute_of
@@ -159,7 +161,7 @@ def fused_linear_cross_entropy(
     ``"mean"`` divides by the kept rows as torch does."""
     arrays = dict(x=x, weight=weight, labels=labels, bias=bias)
     options = dict(
-        reduction="batchmean" if reduction == "mean" else reduction,
+        reduction=cross_entropy_reduction(reduction),
         ignore_index=ignore_index,
         label_smoothing=label_smoothing,
         logit_scale=logit_scale,
