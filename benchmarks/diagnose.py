@@ -59,6 +59,32 @@ def main() -> None:
         ms = median_ms(lambda tl=tile: row_phases(tl))
         moved = rows * V * 2 * 5  # z read twice, target read twice, dL/dz written once
         print(f"row kernel, {rows} rows, tile {tile}: {ms:.3f} ms = {moved / ms / 1e9:.2f} TB/s")
+    # The GEMMs alone, cut into chunks as the driver cuts them: the grad_weight accumulator is
+    # read and written once more per chunk after the first (beta = 1 GEMMs).
+    gw, gx = torch.empty_like(w), torch.empty_like(x)
+    for chunk in (rows, 4096, N):
+
+        def chunked(c=chunk) -> None:
+            for s in range(0, N, c):
+                zc = z[: min(c, N - s)]
+                torch.mm(x[s : s + c], w.t(), out=zc)
+                torch.mm(zc, w, out=gx[s : s + c])
+                (torch.mm(zc.t(), x[s : s + c], out=gw) if s == 0 else gw.addmm_(zc.t(), x[s : s + c]))
+
+        ms, ratio = x_floor(chunked)
+        print(f"GEMMs alone in chunks of {chunk} rows: {ms:.2f} ms = {ratio:.3f} x floor")
+    ce = Loss(weight_hard=1.0, weight_soft=0.0)
+    labels = torch.randint(0, V, (rows,), device="cuda")
+    ce_stats = phases.stats(zc, None, labels, ce, (16, 128))
+    ce_weights = rowmath.scales(keep.sum(dtype=torch.float32), ce, V, False, torch)
+    ce_coefs = rowmath.coefficients(ce_stats, keep, None, None, ce_weights, ce, torch)
+
+    def ce_phases() -> None:
+        phases.stats(zc, None, labels, ce, (16, 128))
+        phases.finish(zc, None, labels, ce_coefs, ce, V, (16, 128), True)
+
+    ms = median_ms(ce_phases)
+    print(f"cross-entropy row kernels, {rows} rows: {ms:.3f} ms = {rows * V * 2 * 3 / ms / 1e9:.2f} TB/s")
     xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
     for chunk in (None, 1024, 4096, 8192):
 

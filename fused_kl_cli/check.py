@@ -233,13 +233,15 @@ def main(seed: int) -> int:
         api = "fused_linear_cross_entropy" if case.cross_entropy else "fused_linear_kl_div"
         options = ", ".join(f"{k}={v!r}" for k, v in case.options.items())
         print(f"  {case.name:<8} {api}({', '.join(case.arrays)}; {options})")
-    print(f"{'backend':<15}{'device':<8}{'result':<9}" + "".join(f"{c.name:<10}" for c in CASES) + "note")
+    listed = backends()
+    width = max(len(b) for b in listed) + 2
+    print(f"{'backend':<{width}}{'device':<8}{'result':<9}" + "".join(f"{c.name:<10}" for c in CASES) + "note")
     rows = []
-    for backend, runs in backends().items():
+    for backend, runs in listed.items():
         row = check_backend(backend, runs, p, want)
         rows.append(row)
         errors = "".join(f"{row.errors[c.name]:<10.1e}" if c.name in row.errors else f"{'-':<10}" for c in CASES)
-        print(f"{row.backend:<15}{row.device:<8}{row.result:<9}{errors}{row.note}", flush=True)
+        print(f"{row.backend:<{width}}{row.device:<8}{row.result:<9}{errors}{row.note}", flush=True)
     counts = {r: sum(row.result == r for row in rows) for r in ("pass", "FAIL", "skipped")}
     print(f"{counts['pass']} passed, {counts['FAIL']} failed, {counts['skipped']} skipped")
     return 1 if counts["FAIL"] else 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import pytest
 import torch
 
 import jax_kl
@@ -33,8 +34,14 @@ def run_gpu(backend: str, x, w, t, labels=None, bias=None, *, fn: str = "fused_l
         options["accum_dtype"] = str(options["accum_dtype"]).removeprefix("torch.")
     arrays = {k: _to_jax(options.pop(k)) for k in ARRAY_OPTIONS if options.get(k) is not None}
     jx = [None if a is None else _to_jax(a) for a in (x, w, None if ce else t, labels, bias)]
-    loss, grads = _jax_value_and_grad(name, fn, tuple(sorted(options.items())), tuple(sorted(arrays)))(*jx, *(
-        arrays[k] for k in sorted(arrays)))
+    try:
+        loss, grads = _jax_value_and_grad(name, fn, tuple(sorted(options.items())), tuple(sorted(arrays)))(
+            *jx, *(arrays[k] for k in sorted(arrays))
+        )
+    except ValueError as e:  # the Mosaic GPU kernels refuse shapes the TMA cannot move, saying so
+        if "'pallas_mosaic' is not available here" in str(e):
+            pytest.skip(str(e))
+        raise
     back = lambda a: None if a is None else torch.from_dlpack(a)
     return (back(loss), *(back(g) for g in grads))
 

@@ -13,6 +13,7 @@ import matplotlib.image
 import numpy as np
 import pytest
 
+import jax_kl.backends
 from fused_kl_cli import check, cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,9 +64,12 @@ def test_check_passes_every_available_backend(capsys: pytest.CaptureFixture[str]
     assert list(check.backends()) == ids  # both registries, nothing repeated by hand
     assert cli.main(["check"]) == 0
     out = capsys.readouterr().out
-    assert f"{len(ids)} passed, 0 failed, 0 skipped" in out
+    # The Mosaic GPU kernels need a Hopper GPU: elsewhere the check skips them, saying why.
+    away = [b for b in ids if b == "jax/pallas_mosaic" and jax_kl.backends.mosaic_missing() is not None]
+    assert f"{len(ids) - len(away)} passed, 0 failed, {len(away)} skipped" in out
     for backend in ids:
-        assert re.search(rf"^{re.escape(backend)}\s+\w+\s+pass\s", out, re.MULTILINE), backend
+        result = "skipped" if backend in away else "pass"
+        assert re.search(rf"^{re.escape(backend)}\s+\S+\s+{result}\s", out, re.MULTILINE), (backend, out)
     for case in check.CASES:
         assert case.name in out
 

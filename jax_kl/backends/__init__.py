@@ -1,7 +1,8 @@
 """The backends of ``jax_kl``, named for the kernel they run: the one registry.
 
-``"auto"`` picks the first backend of ``AUTO_ORDER`` that can run here. ``"pallas"`` is the
-Pallas kernels lowered through Triton; ``"pallas_triton"`` is kept as an alias for it.
+``"auto"`` picks the first backend of ``AUTO_ORDER`` that can run here. ``"pallas"`` runs the
+Pallas kernels on Mosaic GPU where they can run (Hopper or newer, jax >= 0.11), else lowered
+through Triton; ``"pallas_mosaic"`` and ``"pallas_triton"`` force one of the two.
 """
 
 from __future__ import annotations
@@ -19,6 +20,18 @@ from fused_kl.checks import backend_unavailable, unknown_backend
 
 def _on_gpu() -> bool:
     return jax.default_backend() == "gpu"
+
+
+def mosaic_missing() -> str | None:
+    """Why the Mosaic GPU kernels cannot run here, or None."""
+    if tuple(int(p) for p in jax.__version__.split(".")[:2]) < (0, 11):
+        return f"Mosaic GPU kernels need jax >= 0.11 (this is {jax.__version__})"
+    if not _on_gpu():
+        return "Mosaic GPU kernels need an NVIDIA GPU"
+    capability = getattr(jax.devices()[0], "compute_capability", "0")
+    if float(capability) < 9.0:
+        return f"Mosaic GPU kernels need a Hopper or newer GPU (compute capability {capability})"
+    return None
 
 
 def _torch_triton_missing() -> str | None:
@@ -49,6 +62,19 @@ REGISTRY = {
     for b in (
         Backend(
             "pallas",
+            "the Pallas row kernels, chunked: on Mosaic GPU where it runs, else lowered through Triton"
+            " (interpreted on CPU)",
+            lambda: None,
+            "pallas_phases",
+        ),
+        Backend(
+            "pallas_mosaic",
+            "the Pallas row kernels on Mosaic GPU (Hopper or newer, jax >= 0.11), chunked",
+            mosaic_missing,
+            "pallas_mosaic",
+        ),
+        Backend(
+            "pallas_triton",
             "the Pallas row kernels lowered through Triton, chunked (interpreted on CPU)",
             lambda: None,
             "pallas_triton",
@@ -63,7 +89,7 @@ REGISTRY = {
         ),
     )
 }
-ALIASES = {"pallas_triton": "pallas"}
+ALIASES: dict[str, str] = {}
 AUTO_ORDER = ("pallas", "xla")
 NAMES = ("auto", *REGISTRY, *ALIASES)
 

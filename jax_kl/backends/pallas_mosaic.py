@@ -1,0 +1,295 @@
+"""The row phases as Pallas kernels on Mosaic GPU (Hopper and newer, jax >= 0.11): the same
+phases, inputs and outputs as ``pallas_triton`` (whose docstring and ``fused_kl.terms`` state
+the math), laid out the way the Hopper hardware moves data.
+
+One program (``plgpu.kernel``) owns ``R = 64`` rows (one warpgroup's WGMMA register layout) and
+one segment of the vocabulary; ``plgpu.emit_pipeline`` walks the segment in ``[R, TV]`` tiles
+that the tensor memory accelerator (TMA) copies into shared memory while the previous tile is
+computed, the rows' running maxima and sums carried in registers. The segments' partial
+statistics are combined afterwards by XLA (the log-sum-exp combination of a vocabulary-sharded
+layout): segments exist because a chunk has too few 64-row blocks to fill the GPU. The per-row
+inputs are copied to shared memory once per program. ``dL/dz`` is written to a new buffer (a
+Mosaic GPU kernel does not alias an input); the logits die with the chunk. The label's logit
+is one gather done by XLA.
+
+The TMA needs the vocabulary to be a multiple of the 128-byte tile (64 bf16 columns) and a
+teacher chunk to start on a 64-row boundary: :func:`fits` says whether a chunk qualifies;
+``pallas_phases`` falls back to the Triton lowering otherwise.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from fused_kl import rowmath, terms
+from fused_kl.checks import backend_unavailable
+from fused_kl.loss import Loss
+
+R = 64  # rows per program
+TV = 128  # columns per step: a TMA box holds at most 256 per dimension; fp32 registers per thread
+# At least eight programs per multiprocessor of an H100/H200, and tiles in flight per program
+# (16 KiB of bf16 logits, 32 of a float32 teacher each): the fastest of TV 128/256, 2-4 stages
+# and 2 or 8 programs per multiprocessor on the H200 (benchmarks/RESULTS.md).
+MIN_PROGRAMS = 8 * 132
+STAGES = {False: 2, True: 3}  # by whether a teacher tile is read too
+LOWEST = -3.0e38  # running maxima start here, not at -inf (see pallas_triton.LOWEST)
+NEG_INF = float("-inf")
+WGMMA = plgpu.Layout.WGMMA
+ROW = WGMMA.reduce(1)
+
+
+def _tile_cols(dtype) -> int:
+    return 128 // jnp.dtype(dtype).itemsize  # one 128-byte swizzled row of a tile
+
+
+def fits(z: jax.Array, t) -> bool:
+    """Whether the TMA can move this chunk's logits (and teacher) as Mosaic GPU needs."""
+    rows = z.shape[0]
+    arrays = [z] if t is None else [z, t[0]]
+    aligned = all(a.shape[1] % _tile_cols(a.dtype) == 0 and a.shape[0] % 8 == 0 for a in arrays)
+    return aligned and rows % 8 == 0 and (t is None or t[1] % R == 0) and all(a.dtype.itemsize >= 2 for a in arrays)
+
+
+def _require_fit(z: jax.Array, t) -> None:
+    if not fits(z, t):
+        raise backend_unavailable(
+            "pallas_mosaic",
+            f"the TMA needs the vocabulary (slice) to be a multiple of 128 bytes (64 bf16 or 32 float32 "
+            f"columns), chunks of rows in multiples of 8 and a teacher chunk starting on a multiple of {R} "
+            f"rows; got logits {z.shape} {z.dtype}"
+            + ("" if t is None else f", teacher {t[0].shape} {t[0].dtype} from row {t[1]}")
+            + "; backend='pallas' falls back to the Triton lowering here",
+        )
+
+
+def _grid(rows: int, v: int) -> tuple[int, int, int]:
+    """``(row blocks, segments, steps per segment)``: the fewest segments that give the GPU
+    ``MIN_PROGRAMS`` programs, among the divisors of the tile count (no tile is visited twice)."""
+    blocks, tiles = pl.cdiv(rows, R), pl.cdiv(v, TV)
+    segs = next(d for d in range(1, tiles + 1) if tiles % d == 0 and (blocks * d >= MIN_PROGRAMS or d == tiles))
+    return blocks, segs, tiles // segs
+
+
+def _tiles(dtype, i, s, steps: int, row0: int = 0) -> plgpu.BlockSpec:
+    return plgpu.BlockSpec(
+        (R, TV),
+        lambda j: (i + row0, s * steps + j),
+        transforms=(plgpu.TilingTransform((8, _tile_cols(dtype))), plgpu.SwizzleTransform(128)),
+    )
+
+
+def _wide(row: jax.Array) -> jax.Array:
+    return lax.broadcast_in_dim(row, (R, TV), (0,))
+
+
+def _load(ref, layout=WGMMA) -> jax.Array:
+    # jax 0.11 takes the ref alone (an index is deprecated); 0.10 needs the index.
+    return (plgpu.load(ref, layout=layout) if _REF_ONLY else plgpu.load(ref, (), layout=layout)).astype(jnp.float32)
+
+
+_REF_ONLY = inspect.signature(plgpu.load).parameters["idx"].default is not inspect.Parameter.empty
+
+
+def _online(m, s, a):
+    m_new = jnp.maximum(m, jnp.max(a, axis=1))
+    return m_new, s * jnp.exp(m - m_new) + jnp.sum(jnp.exp(a - _wide(m_new)), axis=1)
+
+
+def _launch(step, grid, tiled: list, rowvecs: list, inits: list[float], rows: int, g_dtype=None) -> list:
+    """Run ``step(cols, tiles, rowvecs, carry, g_ref) -> carry`` over every ``[R, TV]`` tile.
+
+    ``tiled`` are ``(array, first row block)``; ``rowvecs`` are ``[rows]`` float32 or int32
+    per-row inputs. Returns the per-segment partials ``[segs, rows]`` of each carried value
+    (``inits`` are their starting values), then ``dL/dz`` when ``g_dtype`` is given.
+    """
+    blocks, segs, steps = grid
+    padded = blocks * R
+    rowvecs = [jnp.pad(r, (0, padded - rows)) for r in rowvecs]  # whole 64-row copies
+    out_type = [jax.ShapeDtypeStruct((segs, padded), jnp.float32) for _ in inits]
+    if g_dtype is not None:
+        out_type.append(jax.ShapeDtypeStruct((rows, tiled[0][0].shape[1]), g_dtype))
+    nt, nr = len(tiled), len(rowvecs)
+
+    def body(*refs):
+        tiled_gmem, row_gmem, outs = refs[:nt], refs[nt : nt + nr], refs[nt + nr :]
+        partial_gmem, g_gmem = (outs[:-1], outs[-1]) if g_dtype is not None else (outs, None)
+        i, s = lax.axis_index("rows"), lax.axis_index("segs")
+        rows_here = pl.ds(i * R, R)
+
+        def scoped(row_smem, out_smem, barrier):
+            for k in range(nr):  # this block's per-row inputs, once
+                plgpu.copy_gmem_to_smem(row_gmem[k].at[rows_here], row_smem[k], barrier)
+                plgpu.barrier_wait(barrier)
+            row_values = [_load(ref, ROW) if ref.dtype == jnp.float32 else _load_int(ref) for ref in row_smem]
+
+            def pipelined(indices, *tile_refs_and_carry):
+                *tile_refs, carry = tile_refs_and_carry
+                (j,) = indices
+                cols = (s * steps + j) * TV + plgpu.broadcasted_iota(jnp.int32, (R, TV), 1, layout=WGMMA)
+                tiles, g_ref = (tile_refs[:-1], tile_refs[-1]) if g_dtype is not None else (tile_refs, None)
+                return tuple(step(cols, tiles, row_values, list(carry), g_ref))
+
+            in_specs = [_tiles(a.dtype, i, s, steps, r0) for a, r0 in tiled]
+            out_specs = [] if g_dtype is None else [_tiles(g_dtype, i, s, steps)]
+            init = tuple(plgpu.layout_cast(jnp.full((R,), v, jnp.float32), ROW) for v in inits)
+            final = plgpu.emit_pipeline(
+                pipelined, grid=(steps,), in_specs=in_specs, out_specs=out_specs,
+                max_concurrent_steps=STAGES[len(tiled) > 1], init_carry=init,
+            )(*tiled_gmem, *([] if g_gmem is None else [g_gmem]))  # fmt: skip
+            for k, value in enumerate(final):
+                out_smem[k][...] = value
+            plgpu.commit_smem()
+            for k in range(len(final)):
+                plgpu.copy_smem_to_gmem(out_smem[k], partial_gmem[k].at[s, rows_here])
+            plgpu.wait_smem_to_gmem(0)
+
+        pl.run_scoped(
+            scoped,
+            [plgpu.SMEM((R,), r.dtype) for r in rowvecs],
+            [plgpu.SMEM((R,), jnp.float32) for _ in inits],
+            plgpu.Barrier(),
+        )
+
+    outs = plgpu.kernel(
+        body,
+        out_type=out_type,
+        grid=(blocks, segs),
+        grid_names=("rows", "segs"),
+        compiler_params=plgpu.CompilerParams(),
+        kernel_name="fused_kl_rows_mosaic",
+    )(*(a for a, _ in tiled), *rowvecs)
+    return [o[:, :rows] for o in outs[: len(inits)]] + list(outs[len(inits) :])
+
+
+def _load_int(ref) -> jax.Array:
+    return plgpu.load(ref, layout=ROW) if _REF_ONLY else plgpu.load(ref, (), layout=ROW)
+
+
+def _stats_step(cols, tiles, rowvecs, carry, g_ref, *, v: int, loss: Loss, has_teacher: bool, hard: bool):
+    del rowvecs, g_ref
+    teacher = loss.teacher
+    vals = iter(carry)
+    mask = cols < v
+    f = terms.transform(_load(tiles[0]), loss.logit_scale, loss.softcap, jnp)
+    new = list(_online(next(vals), next(vals), jnp.where(mask, f / loss.temperature, NEG_INF)))
+    if loss.separate_hard_lse:
+        new += _online(next(vals), next(vals), jnp.where(mask, f, NEG_INF))
+    if hard:
+        new.append(next(vals) + jnp.sum(jnp.where(mask, f, 0.0), axis=1))
+    if has_teacher and teacher.has_logits:
+        u = terms.transform(_load(tiles[1]), teacher.logit_scale, teacher.softcap, jnp)
+        new += _online(next(vals), next(vals), jnp.where(mask, u / teacher.temperature, NEG_INF))
+    elif has_teacher:
+        p = terms.teacher_probs(_load(tiles[1]), teacher, 0.0, jnp)[0]
+        new.append(next(vals) + jnp.sum(jnp.where(mask, p, 0.0), axis=1))
+    return new
+
+
+def _value_step(cols, tiles, rowvecs, carry, g_ref, *, v: int, loss: Loss):
+    del g_ref
+    lse, lse_t = rowvecs
+    mask = cols < v
+    log_q = terms.transform(_load(tiles[0]), loss.logit_scale, loss.softcap, jnp) / loss.temperature - _wide(lse)
+    p, log_p = terms.teacher_probs(_load(tiles[1]), loss.teacher, _wide(lse_t), jnp)  # type: ignore[arg-type]
+    a, b = terms.value_terms(loss.kind, jnp.exp(log_q), log_q, p, log_p, loss.beta, jnp)
+    return [carry[0] + jnp.sum(jnp.where(mask, a, 0.0), axis=1), carry[1] + jnp.sum(jnp.where(mask, b, 0.0), axis=1)]
+
+
+def _finish_step(cols, tiles, rowvecs, carry, g_ref, *, v: int, v_total: int, loss: Loss, has_teacher: bool,
+                 hard: bool):  # fmt: skip
+    y = rowvecs.pop(0) if hard else None
+    lse, lse_h, lse_t, k, c_soft, c_hard = rowvecs
+    mask = cols < v
+    z = _load(tiles[0])
+    f = terms.transform(z, loss.logit_scale, loss.softcap, jnp)
+    log_q = f / loss.temperature - _wide(lse)
+    q = jnp.exp(log_q)
+    p, log_p = q, log_q
+    if has_teacher:
+        p, log_p = terms.teacher_probs(_load(tiles[1]), loss.teacher, _wide(lse_t), jnp)  # type: ignore[arg-type]
+    acc = carry[0]
+    if loss.kind == "forward":
+        acc = acc + jnp.sum(jnp.where(mask, terms.forward_term(p, log_p, log_q, jnp), 0.0), axis=1)
+    if g_ref is not None:
+        live = _wide(jnp.where((c_soft != 0.0) | (c_hard != 0.0), 1.0, 0.0)) != 0.0  # ignored rows: exactly 0
+        g = _wide(c_soft) * terms.soft_direction(loss.kind, q, log_q, p, log_p, _wide(k), loss.beta, jnp)
+        if hard:
+            g += _wide(c_hard) * terms.hard_direction(f, _wide(lse_h), cols == _wide(y), loss, v_total, jnp)
+        g = jnp.where(live & mask, g * terms.slope(z, loss.logit_scale, loss.softcap, jnp), 0.0)
+        g_ref[...] = g.astype(g_ref.dtype)
+    return [acc]
+
+
+def _tiled(z: jax.Array, t) -> list:
+    return [(z, 0)] if t is None else [(z, 0), (t[0], t[1] // R)]
+
+
+def _lse(m: jax.Array, s: jax.Array) -> jax.Array:
+    """A row's log-sum-exp from its segments' running ``(max, sum)``: ``[segs, rows]`` each."""
+    return rowmath.combine_lse(m + jnp.log(s), lambda a: jnp.max(a, axis=0), lambda a: jnp.sum(a, axis=0), jnp)
+
+
+def stats(z: jax.Array, t, y: jax.Array | None, loss: Loss, tile: tuple[int, int]) -> jax.Array:
+    """``fused_kl.rowmath.STATS`` of each row of the chunk (local to this vocabulary slice)."""
+    del tile
+    _require_fit(z, t)
+    rows, v = z.shape
+    teacher = loss.teacher
+    has_teacher, hard = t is not None, y is not None
+    logits = has_teacher and teacher.has_logits
+    inits = [LOWEST, 0.0] * (1 + loss.separate_hard_lse) + [0.0] * hard
+    inits += [LOWEST, 0.0] if logits else [0.0] * has_teacher
+    step = functools.partial(_stats_step, v=v, loss=loss, has_teacher=has_teacher, hard=hard)
+    parts = iter(_launch(step, _grid(rows, v), _tiled(z, t), [], inits, rows))
+    zero = jnp.zeros((rows,), jnp.float32)
+    lse = _lse(next(parts), next(parts))
+    lse_h = _lse(next(parts), next(parts)) if loss.separate_hard_lse else lse
+    f_sum = jnp.sum(next(parts), axis=0) if hard else zero
+    lse_t = _lse(next(parts), next(parts)) if logits else zero
+    mass = jnp.sum(next(parts), axis=0) if has_teacher and not logits else zero
+    label_logit = zero
+    if hard:
+        inside = (y >= 0) & (y < v)
+        z_y = jnp.take_along_axis(z, jnp.where(inside, y, 0)[:, None], axis=1)[:, 0].astype(jnp.float32)
+        label_logit = jnp.where(inside, terms.transform(z_y, loss.logit_scale, loss.softcap, jnp), 0.0)
+    return jnp.stack([lse, lse_h, lse_t, mass, f_sum, label_logit], axis=1)
+
+
+def value(z: jax.Array, t, stats: jax.Array, loss: Loss, tile: tuple[int, int]) -> jax.Array:
+    """Phase 2 (reverse KL, JSD): each row's sums ``(R, 0)`` or ``(A, B)``."""
+    del tile
+    _require_fit(z, t)
+    rows, v = z.shape
+    step = functools.partial(_value_step, v=v, loss=loss)
+    a, b = _launch(step, _grid(rows, v), _tiled(z, t), [stats[:, 0], stats[:, 2]], [0.0, 0.0], rows)
+    return jnp.stack([jnp.sum(a, axis=0), jnp.sum(b, axis=0)], axis=1)
+
+
+def finish(
+    z: jax.Array,
+    t,
+    y: jax.Array | None,
+    coefs: jax.Array,
+    loss: Loss,
+    v_total: int,
+    tile: tuple[int, int],
+    write_grad: bool,
+) -> tuple[jax.Array | None, jax.Array]:
+    """Phase 3: ``(dL/dz or None, the rows' forward-KL sums)``; ``dL/dz`` is a new buffer (a
+    Mosaic GPU kernel cannot alias its input), the logits die with it."""
+    del tile
+    _require_fit(z, t)
+    rows, v = z.shape
+    rowvecs = ([] if y is None else [y.astype(jnp.int32)]) + [coefs[:, i] for i in range(6)]
+    step = functools.partial(_finish_step, v=v, v_total=v_total, loss=loss, has_teacher=t is not None,
+                             hard=y is not None)  # fmt: skip
+    outs = _launch(step, _grid(rows, v), _tiled(z, t), rowvecs, [0.0], rows, z.dtype if write_grad else None)
+    sums = jnp.sum(outs[0], axis=0)
+    return (outs[1], sums) if write_grad else (None, sums)

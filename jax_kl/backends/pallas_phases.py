@@ -1,0 +1,41 @@
+"""The ``"pallas"`` backend's row phases: the Mosaic GPU kernels (``pallas_mosaic``) where they
+run and are at least as fast — a Hopper or newer GPU, jax >= 0.11, a chunk the TMA can move, no
+dense teacher tile to read (the cross-entropy, top-k teachers: 1.10× and 1.07× the floor on
+the H200 against 1.10× and 1.09× for the Triton lowering; with a float32 teacher the Mosaic
+kernels are slower, 1.20× against 1.14×, benchmarks/RESULTS.md) — and the Triton-lowered
+kernels (``pallas_triton``) everywhere else, interpret mode on CPU included. Both compute the
+same phases; the choice is made per chunk, at trace time."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import jax
+
+from fused_kl.loss import Loss
+
+from . import mosaic_missing, pallas_triton
+
+
+def _pick(z: jax.Array, t) -> ModuleType:
+    if t is None and mosaic_missing() is None:
+        from . import pallas_mosaic
+
+        if pallas_mosaic.fits(z, t):
+            return pallas_mosaic
+    return pallas_triton
+
+
+def stats(z: jax.Array, t, y: jax.Array | None, loss: Loss, tile: tuple[int, int]) -> jax.Array:
+    """``fused_kl.rowmath.STATS`` of each row of the chunk."""
+    return _pick(z, t).stats(z, t, y, loss, tile)
+
+
+def value(z: jax.Array, t, stats: jax.Array, loss: Loss, tile: tuple[int, int]) -> jax.Array:
+    """Phase 2 (reverse KL, JSD): each row's sums."""
+    return _pick(z, t).value(z, t, stats, loss, tile)
+
+
+def finish(z: jax.Array, t, y, coefs: jax.Array, loss: Loss, v_total: int, tile: tuple[int, int], write_grad: bool):
+    """Phase 3: ``(dL/dz in z's buffer or None, the rows' forward-KL sums)``."""
+    return _pick(z, t).finish(z, t, y, coefs, loss, v_total, tile, write_grad)

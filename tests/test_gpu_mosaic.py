@@ -1,0 +1,80 @@
+"""GPU tests of the Mosaic GPU row kernels (Hopper or newer, jax >= 0.11): the Triton-lowered
+and Mosaic GPU kernels agree on the llama-3 vocabulary's layout, ``backend="pallas"`` runs the
+Mosaic GPU kernels without the Triton lowering's deprecation warning, and shapes the TMA cannot
+move fall back (``"pallas"``) or are refused by name (``"pallas_mosaic"``).
+
+Run on a GPU machine: ``XLA_PYTHON_CLIENT_PREALLOCATE=false python -m pytest -m gpu tests``.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+torch = pytest.importorskip("torch")
+jax = pytest.importorskip("jax")
+import jax.numpy as jnp  # noqa: E402
+from gpu_runners import rel, run_gpu  # noqa: E402
+
+import jax_kl  # noqa: E402
+from jax_kl.backends import mosaic_missing  # noqa: E402
+
+if jax.default_backend() == "gpu" and mosaic_missing() is not None:
+    pytest.skip(mosaic_missing(), allow_module_level=True)
+
+OPTIONS = {
+    "forward": dict(),
+    "reverse-softcap": dict(beta=1.0, softcap=30.0, logit_scale=0.5),
+    "jsd-hard-T": dict(beta=0.5, temperature=2.0, weight_hard_loss=0.5, label_smoothing=0.1),
+    "logits-teacher": dict(target_format="logits", teacher_softcap=20.0, teacher_temperature=2.0),
+}
+
+
+def _inputs(n: int, h: int, v: int, dtype: torch.dtype, fmt: str = "probs"):
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(n, h, device="cuda", generator=g).to(dtype)
+    w = (torch.randn(v, h, device="cuda", generator=g) * (2.0 / h**0.5)).to(dtype)
+    raw = torch.randn(n, v, device="cuda", generator=g) * 2
+    t = raw if fmt == "logits" else raw.softmax(-1)
+    labels = torch.randint(0, v, (n,), device="cuda", generator=g)
+    labels[::5] = -100
+    return x, w, t, labels
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_mosaic_matches_triton_lowering(name: str, dtype: torch.dtype) -> None:
+    options = dict(OPTIONS[name])
+    fmt = options.get("target_format", "probs")
+    inputs = _inputs(1000, 256, 8192, dtype, fmt)  # 1000 rows: a partial last 64-row block
+    ref = run_gpu("jax/pallas_triton", *inputs, chunk_size=512, **options)
+    got = run_gpu("jax/pallas_mosaic", *inputs, chunk_size=512, **options)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    assert abs(float(got[0]) - float(ref[0])) <= tol * abs(float(ref[0])), (float(got[0]), float(ref[0]))
+    for a, b in zip(got[1:3], ref[1:3], strict=True):
+        assert rel(a, b) <= tol
+
+
+def test_default_path_runs_mosaic_without_deprecation_warning() -> None:
+    """The cross-entropy and top-k teachers read no dense teacher tile: "pallas" runs Mosaic GPU."""
+    x, w, _, y = (jax.dlpack.from_dlpack(a) for a in _inputs(512, 128, 4096, torch.bfloat16))
+    y = y.astype(jnp.int32)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        f = jax.jit(jax.value_and_grad(lambda x, w: jax_kl.fused_linear_cross_entropy(x, w, y), argnums=(0, 1)))
+        text = f.lower(x, w).as_text()
+        jax.block_until_ready(f(x, w))
+    assert "fused_kl_rows_mosaic" in text
+    assert not [str(m.message) for m in seen if "deprecated" in str(m.message).lower()]
+
+
+def test_unaligned_vocabulary_falls_back_or_is_refused() -> None:
+    x, w, t, _ = (jax.dlpack.from_dlpack(a) for a in _inputs(64, 32, 1000, torch.bfloat16))  # 1000 % 64 != 0
+    auto = jax_kl.fused_linear_kl_div(x, w, t)
+    triton = jax_kl.fused_linear_kl_div(x, w, t, backend="pallas_triton")
+    assert float(auto) == float(triton)
+    with pytest.raises(ValueError, match=r"^backend: 'pallas_mosaic' is not available here: the TMA"):
+        jax_kl.fused_linear_kl_div(x, w, t, backend="pallas_mosaic")
+    assert jnp.isfinite(auto)

@@ -1,0 +1,90 @@
+"""The Mosaic GPU row kernels on a machine without a GPU: every phase of every loss kind,
+teacher format and hard-label option lowers to a Mosaic GPU kernel for CUDA (the step that
+rejects unsupported operations and layouts); the chunk checks, the grid and the fallback of
+``backend="pallas"`` to the Triton lowering. Their numbers are tested on the GPU
+(``tests/test_gpu_mosaic.py``)."""
+
+from __future__ import annotations
+
+import pytest
+
+jax = pytest.importorskip("jax")
+import jax.numpy as jnp  # noqa: E402
+
+from fused_kl.loss import Loss, Teacher  # noqa: E402
+from jax_kl.backends import mosaic_missing, pallas_phases, pallas_triton  # noqa: E402
+
+if tuple(int(p) for p in jax.__version__.split(".")[:2]) < (0, 10):
+    pytest.skip("Mosaic GPU lowering of these kernels needs jax >= 0.10", allow_module_level=True)
+from jax_kl.backends import pallas_mosaic  # noqa: E402
+
+LOSSES = {
+    "forward-probs": (Loss(teacher=Teacher("probs", 1.0)), jnp.float32, False),
+    "forward-log_probs-hard": (Loss(teacher=Teacher("log_probs", 1.0), weight_hard=0.5), jnp.bfloat16, True),
+    "reverse-logits-softcap-T": (
+        Loss(
+            beta=1.0,
+            temperature=2.0,
+            softcap=20.0,
+            logit_scale=0.5,
+            weight_hard=0.5,
+            teacher=Teacher("logits", 2.0, softcap=30.0),
+        ),
+        jnp.bfloat16,
+        True,
+    ),
+    "jsd-probs": (Loss(beta=0.5, teacher=Teacher("probs", 1.0)), jnp.float32, False),
+    "topk-coef": (Loss(teacher=Teacher("topk_log_probs", 1.0)), None, False),
+    "cross-entropy": (Loss(teacher=None, weight_soft=0.0, weight_hard=1.0, label_smoothing=0.1), None, True),
+}
+ROWS, V = 200, 1024  # 200 rows: a partial last 64-row block
+
+
+def _chunk(loss: Loss, z, t, y):
+    stats = pallas_mosaic.stats(z, t, y, loss, (1, 1))
+    if loss.kind in ("reverse", "jsd"):
+        stats = stats + pallas_mosaic.value(z, t, stats, loss, (1, 1))[:, :1]
+    return pallas_mosaic.finish(z, t, y, stats, loss, V, (1, 1), True)
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_every_phase_lowers_to_a_mosaic_gpu_kernel(name: str) -> None:
+    loss, t_dtype, hard = LOSSES[name]
+    z = jax.ShapeDtypeStruct((ROWS, V), jnp.bfloat16)
+    target = None if t_dtype is None else jax.ShapeDtypeStruct((ROWS + 64, V), t_dtype)
+    y = jax.ShapeDtypeStruct((ROWS,), jnp.int32) if hard else None
+
+    def f(z, target, y):
+        return _chunk(loss, z, None if target is None else (target, 64), y)
+
+    text = jax.jit(f).trace(z, target, y).lower(lowering_platforms=("cuda",)).as_text()
+    phases = 2 + (loss.kind in ("reverse", "jsd"))
+    assert text.count("fused_kl_rows_mosaic") >= phases, text[:2000]
+
+
+def test_chunks_the_tma_cannot_move_are_refused_by_name() -> None:
+    aligned, odd_v = jnp.zeros((64, 128), jnp.bfloat16), jnp.zeros((64, 100), jnp.bfloat16)
+    assert pallas_mosaic.fits(aligned, None)
+    assert not pallas_mosaic.fits(odd_v, None)
+    assert not pallas_mosaic.fits(jnp.zeros((60, 128), jnp.bfloat16), None)  # rows % 8
+    assert not pallas_mosaic.fits(aligned, (jnp.zeros((128, 128), jnp.float32), 32))  # teacher row 32
+    assert pallas_mosaic.fits(aligned, (jnp.zeros((128, 128), jnp.float32), 64))
+    with pytest.raises(ValueError, match=r"^backend: 'pallas_mosaic' is not available here: the TMA needs"):
+        pallas_mosaic.stats(odd_v, None, None, Loss(teacher=None, weight_hard=1.0, weight_soft=0.0), (1, 1))
+
+
+@pytest.mark.parametrize(("rows", "v"), [(3072, 128256), (64, 4096), (200, 1024), (8192, 32000)])
+def test_grid_covers_every_tile_once(rows: int, v: int) -> None:
+    blocks, segs, steps = pallas_mosaic._grid(rows, v)
+    tiles = -(-v // pallas_mosaic.TV)
+    assert blocks * pallas_mosaic.R >= rows > (blocks - 1) * pallas_mosaic.R
+    assert segs * steps == tiles
+    assert blocks * segs >= pallas_mosaic.MIN_PROGRAMS or segs == tiles
+
+
+def test_pallas_runs_the_triton_lowering_where_mosaic_cannot() -> None:
+    z = jnp.zeros((64, 128), jnp.bfloat16)
+    expected = pallas_mosaic if mosaic_missing() is None else pallas_triton
+    assert pallas_phases._pick(z, None) is expected
+    assert pallas_phases._pick(jnp.zeros((64, 100), jnp.bfloat16), None) is pallas_triton
+    assert pallas_phases._pick(z, (jnp.zeros((64, 128), jnp.float32), 0)) is pallas_triton  # measured slower
