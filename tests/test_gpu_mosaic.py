@@ -57,13 +57,19 @@ def test_mosaic_matches_triton_lowering(name: str, dtype: torch.dtype) -> None:
         assert rel(a, b) <= tol
 
 
-def test_default_path_runs_mosaic_without_deprecation_warning() -> None:
-    """The cross-entropy and top-k teachers read no dense teacher tile: "pallas" runs Mosaic GPU."""
-    x, w, _, y = (jax.dlpack.from_dlpack(a) for a in _inputs(512, 128, 4096, torch.bfloat16))
+@pytest.mark.parametrize("fn", ["kl_div", "cross_entropy"])
+def test_default_path_runs_mosaic_without_deprecation_warning(fn: str) -> None:
+    x, w, t, y = (jax.dlpack.from_dlpack(a) for a in _inputs(512, 128, 4096, torch.bfloat16))
     y = y.astype(jnp.int32)
+
+    def loss(x, w):
+        if fn == "kl_div":
+            return jax_kl.fused_linear_kl_div(x, w, t)
+        return jax_kl.fused_linear_cross_entropy(x, w, y)
+
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        f = jax.jit(jax.value_and_grad(lambda x, w: jax_kl.fused_linear_cross_entropy(x, w, y), argnums=(0, 1)))
+        f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
         text = f.lower(x, w).as_text()
         jax.block_until_ready(f(x, w))
     assert "fused_kl_rows_mosaic" in text

@@ -33,12 +33,14 @@ from fused_kl.checks import backend_unavailable
 from fused_kl.loss import Loss
 
 R = 64  # rows per program
-TV = 128  # columns per step: a TMA box holds at most 256 per dimension; fp32 registers per thread
-# At least eight programs per multiprocessor of an H100/H200, and tiles in flight per program
-# (16 KiB of bf16 logits, 32 of a float32 teacher each): the fastest of TV 128/256, 2-4 stages
-# and 2 or 8 programs per multiprocessor on the H200 (benchmarks/RESULTS.md).
+# Columns per step, by whether a teacher tile is read too (a TMA box holds at most 256 per
+# dimension; registers and shared memory per program bound it from above).
+TV = {False: 128, True: 64}
+# At least eight programs per multiprocessor of an H100/H200, two tiles in flight per program:
+# the fastest of 64/128/256 columns, 2-4 stages and 2, 8 or 16 programs per multiprocessor on
+# the H200 (benchmarks/RESULTS.md).
 MIN_PROGRAMS = 8 * 132
-STAGES = {False: 2, True: 3}  # by whether a teacher tile is read too
+STAGES = 2
 LOWEST = -3.0e38  # running maxima start here, not at -inf (see pallas_triton.LOWEST)
 NEG_INF = float("-inf")
 WGMMA = plgpu.Layout.WGMMA
@@ -69,24 +71,25 @@ def _require_fit(z: jax.Array, t) -> None:
         )
 
 
-def _grid(rows: int, v: int) -> tuple[int, int, int]:
+def _grid(rows: int, v: int, tv: int) -> tuple[int, int, int]:
     """``(row blocks, segments, steps per segment)``: the fewest segments that give the GPU
     ``MIN_PROGRAMS`` programs, among the divisors of the tile count (no tile is visited twice)."""
-    blocks, tiles = pl.cdiv(rows, R), pl.cdiv(v, TV)
+    blocks, tiles = pl.cdiv(rows, R), pl.cdiv(v, tv)
     segs = next(d for d in range(1, tiles + 1) if tiles % d == 0 and (blocks * d >= MIN_PROGRAMS or d == tiles))
     return blocks, segs, tiles // segs
 
 
-def _tiles(dtype, i, s, steps: int, row0: int = 0) -> plgpu.BlockSpec:
+def _tiles(dtype, i, s, steps: int, tv: int, row0: int = 0) -> plgpu.BlockSpec:
     return plgpu.BlockSpec(
-        (R, TV),
+        (R, tv),
         lambda j: (i + row0, s * steps + j),
         transforms=(plgpu.TilingTransform((8, _tile_cols(dtype))), plgpu.SwizzleTransform(128)),
     )
 
 
-def _wide(row: jax.Array) -> jax.Array:
-    return lax.broadcast_in_dim(row, (R, TV), (0,))
+def _wide(row: jax.Array, like: jax.Array) -> jax.Array:
+    """A per-row value broadcast along the tile's columns (``like``'s shape)."""
+    return lax.broadcast_in_dim(row, like.shape, (0,))
 
 
 def _load(ref, layout=WGMMA) -> jax.Array:
@@ -99,22 +102,24 @@ _REF_ONLY = inspect.signature(plgpu.load).parameters["idx"].default is not inspe
 
 def _online(m, s, a):
     m_new = jnp.maximum(m, jnp.max(a, axis=1))
-    return m_new, s * jnp.exp(m - m_new) + jnp.sum(jnp.exp(a - _wide(m_new)), axis=1)
+    return m_new, s * jnp.exp(m - m_new) + jnp.sum(jnp.exp(a - _wide(m_new, a)), axis=1)
 
 
-def _launch(step, grid, tiled: list, rowvecs: list, inits: list[float], rows: int, g_dtype=None) -> list:
+def _launch(step, tiled: list, rowvecs: list, inits: list[float], g_dtype=None) -> list:
     """Run ``step(cols, tiles, rowvecs, carry, g_ref) -> carry`` over every ``[R, TV]`` tile.
 
     ``tiled`` are ``(array, first row block)``; ``rowvecs`` are ``[rows]`` float32 or int32
     per-row inputs. Returns the per-segment partials ``[segs, rows]`` of each carried value
     (``inits`` are their starting values), then ``dL/dz`` when ``g_dtype`` is given.
     """
-    blocks, segs, steps = grid
+    rows, v = tiled[0][0].shape
+    tv = TV[len(tiled) > 1]
+    blocks, segs, steps = _grid(rows, v, tv)
     padded = blocks * R
     rowvecs = [jnp.pad(r, (0, padded - rows)) for r in rowvecs]  # whole 64-row copies
     out_type = [jax.ShapeDtypeStruct((segs, padded), jnp.float32) for _ in inits]
     if g_dtype is not None:
-        out_type.append(jax.ShapeDtypeStruct((rows, tiled[0][0].shape[1]), g_dtype))
+        out_type.append(jax.ShapeDtypeStruct((rows, v), g_dtype))
     nt, nr = len(tiled), len(rowvecs)
 
     def body(*refs):
@@ -132,16 +137,16 @@ def _launch(step, grid, tiled: list, rowvecs: list, inits: list[float], rows: in
             def pipelined(indices, *tile_refs_and_carry):
                 *tile_refs, carry = tile_refs_and_carry
                 (j,) = indices
-                cols = (s * steps + j) * TV + plgpu.broadcasted_iota(jnp.int32, (R, TV), 1, layout=WGMMA)
+                cols = (s * steps + j) * tv + plgpu.broadcasted_iota(jnp.int32, (R, tv), 1, layout=WGMMA)
                 tiles, g_ref = (tile_refs[:-1], tile_refs[-1]) if g_dtype is not None else (tile_refs, None)
                 return tuple(step(cols, tiles, row_values, list(carry), g_ref))
 
-            in_specs = [_tiles(a.dtype, i, s, steps, r0) for a, r0 in tiled]
-            out_specs = [] if g_dtype is None else [_tiles(g_dtype, i, s, steps)]
+            in_specs = [_tiles(a.dtype, i, s, steps, tv, r0) for a, r0 in tiled]
+            out_specs = [] if g_dtype is None else [_tiles(g_dtype, i, s, steps, tv)]
             init = tuple(plgpu.layout_cast(jnp.full((R,), v, jnp.float32), ROW) for v in inits)
             final = plgpu.emit_pipeline(
                 pipelined, grid=(steps,), in_specs=in_specs, out_specs=out_specs,
-                max_concurrent_steps=STAGES[len(tiled) > 1], init_carry=init,
+                max_concurrent_steps=STAGES, init_carry=init,
             )(*tiled_gmem, *([] if g_gmem is None else [g_gmem]))  # fmt: skip
             for k, value in enumerate(final):
                 out_smem[k][...] = value
@@ -196,8 +201,8 @@ def _value_step(cols, tiles, rowvecs, carry, g_ref, *, v: int, loss: Loss):
     del g_ref
     lse, lse_t = rowvecs
     mask = cols < v
-    log_q = terms.transform(_load(tiles[0]), loss.logit_scale, loss.softcap, jnp) / loss.temperature - _wide(lse)
-    p, log_p = terms.teacher_probs(_load(tiles[1]), loss.teacher, _wide(lse_t), jnp)  # type: ignore[arg-type]
+    log_q = terms.transform(_load(tiles[0]), loss.logit_scale, loss.softcap, jnp) / loss.temperature - _wide(lse, cols)
+    p, log_p = terms.teacher_probs(_load(tiles[1]), loss.teacher, _wide(lse_t, cols), jnp)  # type: ignore[arg-type]
     a, b = terms.value_terms(loss.kind, jnp.exp(log_q), log_q, p, log_p, loss.beta, jnp)
     return [carry[0] + jnp.sum(jnp.where(mask, a, 0.0), axis=1), carry[1] + jnp.sum(jnp.where(mask, b, 0.0), axis=1)]
 
@@ -209,19 +214,20 @@ def _finish_step(cols, tiles, rowvecs, carry, g_ref, *, v: int, v_total: int, lo
     mask = cols < v
     z = _load(tiles[0])
     f = terms.transform(z, loss.logit_scale, loss.softcap, jnp)
-    log_q = f / loss.temperature - _wide(lse)
+    log_q = f / loss.temperature - _wide(lse, cols)
     q = jnp.exp(log_q)
     p, log_p = q, log_q
     if has_teacher:
-        p, log_p = terms.teacher_probs(_load(tiles[1]), loss.teacher, _wide(lse_t), jnp)  # type: ignore[arg-type]
+        p, log_p = terms.teacher_probs(_load(tiles[1]), loss.teacher, _wide(lse_t, cols), jnp)  # type: ignore[arg-type]
     acc = carry[0]
     if loss.kind == "forward":
         acc = acc + jnp.sum(jnp.where(mask, terms.forward_term(p, log_p, log_q, jnp), 0.0), axis=1)
     if g_ref is not None:
-        live = _wide(jnp.where((c_soft != 0.0) | (c_hard != 0.0), 1.0, 0.0)) != 0.0  # ignored rows: exactly 0
-        g = _wide(c_soft) * terms.soft_direction(loss.kind, q, log_q, p, log_p, _wide(k), loss.beta, jnp)
+        live = _wide(jnp.where((c_soft != 0.0) | (c_hard != 0.0), 1.0, 0.0), cols) != 0.0  # ignored rows: exactly 0
+        g = _wide(c_soft, cols) * terms.soft_direction(loss.kind, q, log_q, p, log_p, _wide(k, cols), loss.beta, jnp)
         if hard:
-            g += _wide(c_hard) * terms.hard_direction(f, _wide(lse_h), cols == _wide(y), loss, v_total, jnp)
+            is_label = cols == _wide(y, cols)
+            g += _wide(c_hard, cols) * terms.hard_direction(f, _wide(lse_h, cols), is_label, loss, v_total, jnp)
         g = jnp.where(live & mask, g * terms.slope(z, loss.logit_scale, loss.softcap, jnp), 0.0)
         g_ref[...] = g.astype(g_ref.dtype)
     return [acc]
@@ -247,7 +253,7 @@ def stats(z: jax.Array, t, y: jax.Array | None, loss: Loss, tile: tuple[int, int
     inits = [LOWEST, 0.0] * (1 + loss.separate_hard_lse) + [0.0] * hard
     inits += [LOWEST, 0.0] if logits else [0.0] * has_teacher
     step = functools.partial(_stats_step, v=v, loss=loss, has_teacher=has_teacher, hard=hard)
-    parts = iter(_launch(step, _grid(rows, v), _tiled(z, t), [], inits, rows))
+    parts = iter(_launch(step, _tiled(z, t), [], inits))
     zero = jnp.zeros((rows,), jnp.float32)
     lse = _lse(next(parts), next(parts))
     lse_h = _lse(next(parts), next(parts)) if loss.separate_hard_lse else lse
@@ -266,9 +272,9 @@ def value(z: jax.Array, t, stats: jax.Array, loss: Loss, tile: tuple[int, int]) 
     """Phase 2 (reverse KL, JSD): each row's sums ``(R, 0)`` or ``(A, B)``."""
     del tile
     _require_fit(z, t)
-    rows, v = z.shape
+    v = z.shape[1]
     step = functools.partial(_value_step, v=v, loss=loss)
-    a, b = _launch(step, _grid(rows, v), _tiled(z, t), [stats[:, 0], stats[:, 2]], [0.0, 0.0], rows)
+    a, b = _launch(step, _tiled(z, t), [stats[:, 0], stats[:, 2]], [0.0, 0.0])
     return jnp.stack([jnp.sum(a, axis=0), jnp.sum(b, axis=0)], axis=1)
 
 
@@ -286,10 +292,10 @@ def finish(
     Mosaic GPU kernel cannot alias its input), the logits die with it."""
     del tile
     _require_fit(z, t)
-    rows, v = z.shape
+    v = z.shape[1]
     rowvecs = ([] if y is None else [y.astype(jnp.int32)]) + [coefs[:, i] for i in range(6)]
     step = functools.partial(_finish_step, v=v, v_total=v_total, loss=loss, has_teacher=t is not None,
                              hard=y is not None)  # fmt: skip
-    outs = _launch(step, _grid(rows, v), _tiled(z, t), rowvecs, [0.0], rows, z.dtype if write_grad else None)
+    outs = _launch(step, _tiled(z, t), rowvecs, [0.0], z.dtype if write_grad else None)
     sums = jnp.sum(outs[0], axis=0)
     return (outs[1], sums) if write_grad else (None, sums)

@@ -1,8 +1,6 @@
 """The ``"pallas"`` backend's row phases: the Mosaic GPU kernels (``pallas_mosaic``) where they
-run and are at least as fast — a Hopper or newer GPU, jax >= 0.11, a chunk the TMA can move, no
-dense teacher tile to read (the cross-entropy, top-k teachers: 1.10× and 1.07× the floor on
-the H200 against 1.10× and 1.09× for the Triton lowering; with a float32 teacher the Mosaic
-kernels are slower, 1.20× against 1.14×, benchmarks/RESULTS.md) — and the Triton-lowered
+run — a Hopper or newer GPU, jax >= 0.11, a chunk the TMA can move; there they are at least as
+fast as the Triton lowering in every mode (benchmarks/RESULTS.md) — and the Triton-lowered
 kernels (``pallas_triton``) everywhere else, interpret mode on CPU included. Both compute the
 same phases; the choice is made per chunk, at trace time."""
 
@@ -18,7 +16,7 @@ from . import mosaic_missing, pallas_triton
 
 
 def _pick(z: jax.Array, t) -> ModuleType:
-    if t is None and mosaic_missing() is None:
+    if mosaic_missing() is None:
         from . import pallas_mosaic
 
         if pallas_mosaic.fits(z, t):
