@@ -97,7 +97,8 @@ def _load(ref, layout=WGMMA) -> jax.Array:
     return (plgpu.load(ref, layout=layout) if _REF_ONLY else plgpu.load(ref, (), layout=layout)).astype(jnp.float32)
 
 
-_REF_ONLY = inspect.signature(plgpu.load).parameters["idx"].default is not inspect.Parameter.empty
+_LOAD_PARAMS = inspect.signature(plgpu.load).parameters
+_REF_ONLY = "idx" not in _LOAD_PARAMS or _LOAD_PARAMS["idx"].default is not inspect.Parameter.empty
 
 
 def _online(m, s, a):

@@ -17,8 +17,10 @@ from . import mosaic_missing, pallas_triton
 
 def _pick(z: jax.Array, t) -> ModuleType:
     if mosaic_missing() is None:
-        from . import pallas_mosaic
-
+        try:
+            from . import pallas_mosaic
+        except (ImportError, AttributeError):  # a JAX whose Mosaic GPU API moved: the Triton lowering
+            return pallas_triton
         if pallas_mosaic.fits(z, t):
             return pallas_mosaic
     return pallas_triton
