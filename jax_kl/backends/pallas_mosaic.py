@@ -92,9 +92,14 @@ def _wide(row: jax.Array, like: jax.Array) -> jax.Array:
     return lax.broadcast_in_dim(row, like.shape, (0,))
 
 
-def _load(ref, layout=WGMMA) -> jax.Array:
+def _read(ref, layout) -> jax.Array:
     # jax 0.11 takes the ref alone (an index is deprecated); 0.10 needs the index.
-    return (plgpu.load(ref, layout=layout) if _REF_ONLY else plgpu.load(ref, (), layout=layout)).astype(jnp.float32)
+    return plgpu.load(ref, layout=layout) if _REF_ONLY else plgpu.load(ref, (), layout=layout)
+
+
+def _load(ref) -> jax.Array:
+    """A ``[R, TV]`` tile in registers, in float32."""
+    return _read(ref, WGMMA).astype(jnp.float32)
 
 
 _LOAD_PARAMS = inspect.signature(plgpu.load).parameters
@@ -133,7 +138,7 @@ def _launch(step, tiled: list, rowvecs: list, inits: list[float], g_dtype=None) 
             for k in range(nr):  # this block's per-row inputs, once
                 plgpu.copy_gmem_to_smem(row_gmem[k].at[rows_here], row_smem[k], barrier)
                 plgpu.barrier_wait(barrier)
-            row_values = [_load(ref, ROW) if ref.dtype == jnp.float32 else _load_int(ref) for ref in row_smem]
+            row_values = [_read(ref, ROW) for ref in row_smem]
 
             def pipelined(indices, *tile_refs_and_carry):
                 *tile_refs, carry = tile_refs_and_carry
@@ -144,7 +149,7 @@ def _launch(step, tiled: list, rowvecs: list, inits: list[float], g_dtype=None) 
 
             in_specs = [_tiles(a.dtype, i, s, steps, tv, r0) for a, r0 in tiled]
             out_specs = [] if g_dtype is None else [_tiles(g_dtype, i, s, steps, tv)]
-            init = tuple(plgpu.layout_cast(jnp.full((R,), v, jnp.float32), ROW) for v in inits)
+            init = tuple(plgpu.layout_cast(jnp.full((R,), x0, jnp.float32), ROW) for x0 in inits)
             final = plgpu.emit_pipeline(
                 pipelined, grid=(steps,), in_specs=in_specs, out_specs=out_specs,
                 max_concurrent_steps=STAGES, init_carry=init,
@@ -172,10 +177,6 @@ def _launch(step, tiled: list, rowvecs: list, inits: list[float], g_dtype=None) 
         kernel_name="fused_kl_rows_mosaic",
     )(*(a for a, _ in tiled), *rowvecs)
     return [o[:, :rows] for o in outs[: len(inits)]] + list(outs[len(inits) :])
-
-
-def _load_int(ref) -> jax.Array:
-    return plgpu.load(ref, layout=ROW) if _REF_ONLY else plgpu.load(ref, (), layout=ROW)
 
 
 def _stats_step(cols, tiles, rowvecs, carry, g_ref, *, v: int, loss: Loss, has_teacher: bool, hard: bool):
