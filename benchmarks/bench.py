@@ -137,7 +137,7 @@ class _NoBar:
         print(line, file=file)
 
 
-def _progress_bar(total: int) -> Any:
+def progress_bar(total: int) -> Any:
     try:
         from tqdm import tqdm
     except ImportError:
@@ -152,7 +152,7 @@ def run(cfg: Config, impls: dict[str, Impl], on_gpu: bool) -> list[Row]:
     config = dataclasses.asdict(cfg) | {"heads": [dataclasses.asdict(h) for h in cfg.heads]}
     meta = report.describe(torch.cuda.get_device_name() if on_gpu else "cpu", config, TIMING)
     rows: list[Row] = []
-    bar = _progress_bar(len(cfg.heads) * len(cfg.n) * len(cfg.impls))
+    bar = progress_bar(len(cfg.heads) * len(cfg.n) * len(cfg.impls))
     versions = ", ".join(f"{k} {v}" for k, v in meta["versions"].items() if v)
     bar.write(f"{meta['device']}; {versions}; mode {mode.name}: {mode.about}", file=sys.stdout)
     bar.write(report.text_line(report.HEADER), file=sys.stdout)

@@ -178,3 +178,19 @@ def test_bench_module_runs_from_the_repository_root() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert "--mode" in result.stdout and "llama3-8b" in result.stdout
+
+
+def test_scaling_quick_writes_table_json_and_plot(tmp_path) -> None:
+    """The several-devices benchmark on CPU: two gloo ranks for torch, two host devices for JAX."""
+    from benchmarks import scaling
+
+    assert scaling.main(["--quick", "--out-dir", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "results.json").read_text())
+    rows = {(r["framework"], r["layout"].strip().split(",")[0]): r for r in result["rows"]}
+    for framework in ("torch", "jax"):
+        one, vocab = rows[(framework, "one device")], rows[(framework, "vocabulary sharded over 2")]
+        assert all(r["ms"] > 0 for (fw, _), r in rows.items() if fw == framework)
+        assert one["x_one"] == 1.0 and rows[(framework, "rows sharded")]["goal"] == 1.05
+        assert vocab["grad_w_gib"] == pytest.approx(one["grad_w_gib"] / 2)  # half the head's gradient per device
+    assert "all-reduce of grad_x" in (tmp_path / "results.md").read_text()
+    assert matplotlib.image.imread(tmp_path / "scaling.png").shape[0] > 50

@@ -1,0 +1,78 @@
+"""``python -m benchmarks.scaling``'s JAX measurement, in its own process (on CPU the host
+devices must be forced before JAX starts): ``jax_kl`` under ``jit(grad)`` on one device, then on a
+mesh of ``world`` devices with the rows sharded (``batch_axis``, N rows per device) and with the
+vocabulary sharded (``vocab_axis``, N rows, a ``V / world`` slice of the head per device)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_kl
+
+from .shapes import parse_head
+
+
+def _median_ms(fn, args: tuple, reps: int) -> float:
+    jax.block_until_ready(fn(*args))  # compile
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def measure(world: int, n: int, head: str, reps: int) -> dict[str, float]:
+    devices = jax.devices()[:world]
+    if len(devices) < world:
+        raise SystemExit(f"--world {world}: JAX sees {len(devices)} device(s)")
+    on_gpu = devices[0].platform == "gpu"
+    dtype = jnp.bfloat16 if on_gpu else jnp.float32
+    shape = parse_head(head)
+    h, v = shape.h, shape.v
+    keys = jax.random.split(jax.random.key(1234), 3)
+    weight = (jax.random.normal(keys[0], (v, h)) * h**-0.5).astype(dtype)
+    x = jax.random.normal(keys[1], (world * n, h)).astype(dtype)
+    teacher = jax.nn.softmax(jax.random.normal(keys[2], (world * n, v)), -1).astype(dtype)
+    mesh = Mesh(np.array(devices), ("d",))
+
+    def grads(**layout):
+        return jax.jit(jax.grad(lambda x, w, t: jax_kl.fused_linear_kl_div(x, w, t, **layout), argnums=(0, 1)))
+
+    def put(a, spec):
+        return jax.device_put(a, NamedSharding(mesh, spec))
+
+    one = jax.device_put((x[:n], weight, teacher[:n]), devices[0])
+    rows = (put(x, P("d", None)), put(weight, P(None, None)), put(teacher, P("d", None)))
+    vocab = (put(x[:n], P(None, None)), put(weight, P("d", None)), put(teacher[:n], P(None, "d")))
+    return {
+        "one_device_ms": _median_ms(grads(), one, reps),
+        "rows_ms": _median_ms(grads(mesh=mesh, batch_axis="d"), rows, reps),
+        "vocab_ms": _median_ms(grads(mesh=mesh, vocab_axis="d"), vocab, reps),
+        "grad_weight_gib_one_device": v * h * jnp.dtype(dtype).itemsize / 2**30,
+        "grad_weight_gib_vocab": v // world * h * jnp.dtype(dtype).itemsize / 2**30,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    for name in ("world", "n", "reps"):
+        parser.add_argument(f"--{name}", type=int, required=True)
+    parser.add_argument("--head", required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    args.out.write_text(json.dumps(measure(args.world, args.n, args.head, args.reps)))
+
+
+if __name__ == "__main__":
+    main()
