@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
@@ -24,7 +25,7 @@ def _on_gpu() -> bool:
 
 def mosaic_missing() -> str | None:
     """Why the Mosaic GPU kernels cannot run here, or None."""
-    if tuple(int(p) for p in jax.__version__.split(".")[:2]) < (0, 11):
+    if tuple(int(re.match(r"\d+", p)[0]) for p in jax.__version__.split(".")[:2]) < (0, 11):  # type: ignore[index]
         return f"Mosaic GPU kernels need jax >= 0.11 (this is {jax.__version__})"
     if not _on_gpu():
         return "Mosaic GPU kernels need an NVIDIA GPU"
