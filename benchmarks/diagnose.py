@@ -69,7 +69,10 @@ def main() -> None:
                 zc = z[: min(c, N - s)]
                 torch.mm(x[s : s + c], w.t(), out=zc)
                 torch.mm(zc, w, out=gx[s : s + c])
-                (torch.mm(zc.t(), x[s : s + c], out=gw) if s == 0 else gw.addmm_(zc.t(), x[s : s + c]))
+                if s == 0:
+                    torch.mm(zc.t(), x[s : s + c], out=gw)
+                else:
+                    gw.addmm_(zc.t(), x[s : s + c])
 
         ms, ratio = x_floor(chunked)
         print(f"GEMMs alone in chunks of {chunk} rows: {ms:.2f} ms = {ratio:.3f} x floor")

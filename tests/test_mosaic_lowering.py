@@ -12,9 +12,9 @@ jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
 from fused_kl.loss import Loss, Teacher  # noqa: E402
-from jax_kl.backends import mosaic_missing, pallas_phases, pallas_triton  # noqa: E402
+from jax_kl.backends import jax_version, mosaic_missing, pallas_phases, pallas_triton  # noqa: E402
 
-if tuple(int(p) for p in jax.__version__.split(".")[:2]) < (0, 10):
+if jax_version() < (0, 10):
     pytest.skip("Mosaic GPU lowering of these kernels needs jax >= 0.10", allow_module_level=True)
 from jax_kl.backends import pallas_mosaic  # noqa: E402
 

@@ -23,9 +23,14 @@ def _on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
+def jax_version() -> tuple[int, int]:
+    """JAX's ``(major, minor)``, pre-release suffixes ignored (``0.12rc1`` is ``(0, 12)``)."""
+    return tuple(int(re.match(r"\d+", p)[0]) for p in jax.__version__.split(".")[:2])  # type: ignore[return-value,index]
+
+
 def mosaic_missing() -> str | None:
     """Why the Mosaic GPU kernels cannot run here, or None."""
-    if tuple(int(re.match(r"\d+", p)[0]) for p in jax.__version__.split(".")[:2]) < (0, 11):  # type: ignore[index]
+    if jax_version() < (0, 11):
         return f"Mosaic GPU kernels need jax >= 0.11 (this is {jax.__version__})"
     if not _on_gpu():
         return "Mosaic GPU kernels need an NVIDIA GPU"
