@@ -90,15 +90,16 @@ def _autograd(get_loss: Callable[[Mode], LossFn]) -> Callable[[Inputs], Prepared
     return make
 
 
-def _jitted(get_loss: Callable[[Mode], LossFn]) -> Callable[[Inputs], Prepared]:
-    """A JAX loss under ``jit(value_and_grad)``, compiled once per shape, the arrays arguments."""
+def _jitted(get_loss: Callable[[Mode], LossFn], options: dict[str, Any] | None = None) -> Callable[[Inputs], Prepared]:
+    """A JAX loss under ``jit(value_and_grad)``, compiled once per shape (with XLA's compiler
+    ``options``), the arrays arguments."""
 
     def make(inputs: Inputs) -> Prepared:
         import jax
 
         loss = get_loss(inputs.mode)
         args = inputs.jax
-        compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(*args).compile()
+        compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(*args).compile(options)
         return Prepared(lambda: compiled(*args)[1], programs=(compiled,))
 
     return make
@@ -163,6 +164,24 @@ def _torch_kl(backend: str) -> Impl:
     return Impl("torch", bridged)
 
 
+def _torch_kl_cublas_logits(inputs: Inputs) -> Prepared:
+    """The Triton backend as it runs where its fused logits GEMM does not: cuBLAS logits, then
+    the ``stats`` kernel (the comparison that prices the fusion)."""
+    from torch_kl import backends
+
+    prepared = _torch_kl("triton").make(inputs)
+    fused = backends.REGISTRY["triton"]
+
+    def step() -> tuple[Any, Any]:
+        backends.REGISTRY["triton"] = dataclasses.replace(fused, fused_logits=False)
+        try:
+            return prepared.step()
+        finally:
+            backends.REGISTRY["triton"] = fused
+
+    return dataclasses.replace(prepared, step=step)
+
+
 def build() -> dict[str, Impl]:
     """Every implementation, by name, the floor first (the registries are imported here)."""
     impls = {
@@ -185,4 +204,13 @@ def build() -> dict[str, Impl]:
         f"jax_kl/{name}": Impl("jax", _jitted(functools.partial(_fused, "jax_kl", backend=name)))
         for name in _registry("jax_kl")
     }
+    if "triton" in _registry("torch_kl"):
+        impls["torch_kl/triton-cublas-logits"] = Impl("torch", _torch_kl_cublas_logits)
+    # XLA folds each chunk's `acc + g^T x` into a cuBLAS GEMM (beta = 1) only when its own Triton
+    # GEMMs are off: what a user's jit gains with this option (docs/choosing.md).
+    no_triton_gemm = {"xla_gpu_enable_triton_gemm": False}
+    for name in ("pallas", "pallas_triton"):
+        if f"jax_kl/{name}" in impls:
+            loss = functools.partial(_fused, "jax_kl", backend=name)
+            impls[f"jax_kl/{name}-cublas"] = Impl("jax", _jitted(loss, no_triton_gemm))
     return impls

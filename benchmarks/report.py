@@ -12,7 +12,7 @@ from typing import Any
 from .shapes import Shape
 
 HEADER = ("head", "N", "impl", "ms", "× floor", "peak GiB", "beyond grads GiB", "err grad_w", "err grad_x", "note")
-WIDTHS = (12, 6, 17, 9, 8, 9, 17, 11, 11, 0)
+WIDTHS = (12, 6, 29, 9, 8, 9, 17, 11, 11, 0)
 PACKAGES = ("torch", "triton", "jax", "jaxlib", "liger-kernel")
 
 

@@ -29,6 +29,11 @@ class ChunkOps:
     f32: Callable[[Any], Any]
 
 
+def local_labels(y: Any | None, v0: Any, loss: Loss) -> Any | None:
+    """The labels as column indices of this vocabulary slice (the hard term's), else None."""
+    return y - v0 if loss.hard else None
+
+
 def row_phases(
     z: Any,
     t: Any,
@@ -44,12 +49,16 @@ def row_phases(
     tile: tuple[int, int],
     write_grad: bool,
     ops: ChunkOps,
+    local_stats: Any | None = None,
 ) -> tuple[Any | None, Any]:
     """``(dL/dz or None, row losses)`` of a chunk of logits ``z``: ``t`` its dense teacher (or
-    None), ``y`` its labels, ``keep`` its kept-row mask, ``topk`` its ``(log-probs, token ids)``."""
+    None), ``y`` its labels, ``keep`` its kept-row mask, ``topk`` its ``(log-probs, token ids)``;
+    ``local_stats``: the ``stats`` phase's result when the logits GEMM already made it."""
     xp = ops.xp
-    y_local = y - v0 if loss.hard else None
-    stats = layout.combine_stats(phases.stats(z, t, y_local, loss, tile))
+    y_local = local_labels(y, v0, loss)
+    if local_stats is None:
+        local_stats = phases.stats(z, t, y_local, loss, tile)
+    stats = layout.combine_stats(local_stats)
     kind = loss.kind
     value_sums = None
     if kind in ("reverse", "jsd"):

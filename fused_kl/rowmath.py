@@ -66,6 +66,14 @@ def combine_lse(lses: Any, reduce_max: Callable[[Any], Any], reduce_sum: Callabl
     return safe + xp.log(reduce_sum(xp.exp(lses - safe)))
 
 
+def label_logit(z: Any, y: Any, loss: Loss, gather: Callable[[Any, Any], Any], xp: Any) -> Any:
+    """``f(z_y)`` of each row whose label ``y`` lies in this slice of ``z``'s columns, else 0:
+    the ``label_logit`` column of ``STATS``. ``gather(z, at)`` is ``z[i, at[i, j]]`` in float32."""
+    inside = (y >= 0) & (y < z.shape[1])
+    z_y = gather(z, xp.where(inside, y, 0)[:, None])[:, 0]
+    return xp.where(inside, terms.transform(z_y, loss.logit_scale, loss.softcap, xp), 0.0)
+
+
 def row_scales(keep: Any, weights: tuple[Any, Any, Any], loss: Loss, xp: Any) -> tuple[Any, Any]:
     """``(c_soft, c_hard)`` per row: what ``dsoft/da`` and ``dhard/df`` are multiplied by in
     ``dL/dz`` as stored (the float16 divisor included); 0 on ignored rows."""

@@ -12,13 +12,13 @@ from dataclasses import dataclass
 import torch
 
 from fused_kl import rowmath
-from fused_kl.chunk import ChunkOps, row_phases
+from fused_kl.chunk import ChunkOps, local_labels, row_phases
 from fused_kl.loss import Loss
 from fused_kl.options import RunOptions
 from fused_kl.plan import plan_chunks
 
 from . import teachers
-from .backends import phases_of
+from .backends import fused_logits_of, phases_of
 from .layout import Layout
 from .teachers import TeacherArrays
 
@@ -152,17 +152,20 @@ def forward(
     rows = plan.chunk_rows if n else 0
     buf = torch.empty(rows, v, dtype=x.dtype, device=dev)  # logits, then dL/dz in place
     t_buf = torch.empty(rows, v, dtype=teacher.target.dtype, device=dev) if teachers.buffers(loss) == 2 else None
+    fused_logits = fused_logits_of(run.backend)
     for start, stop in plan.bounds:
         xc, z = x[start:stop], buf[: stop - start]
-        if bias is None:
-            torch.mm(xc, wt, out=z)
-        else:
-            torch.addmm(bias, xc, wt, out=z)
         t = teachers.dense_chunk(loss, teacher, start, stop, t_buf)
         y = None if labels is None else labels[start:stop]
+        stats = None if fused_logits is None else fused_logits(xc, weight, bias, t, local_labels(y, v0, loss), loss, z)
+        if stats is None:  # the backend has no fused logits GEMM, or not for these operands
+            if bias is None:
+                torch.mm(xc, wt, out=z)
+            else:
+                torch.addmm(bias, xc, wt, out=z)
         topk = None if teacher.indices is None else (teacher.target[start:stop], teacher.indices[start:stop])
         _, row_loss[start:stop] = row_phases(z, t, y, keep[start:stop], topk, v0, v_total, weights, loss, layout,
-                                             phases, plan.tile, needs.any, OPS)  # fmt: skip
+                                             phases, plan.tile, needs.any, OPS, stats)  # fmt: skip
         if grads.x is not None:
             torch.mm(z, weight, out=grads.x[start:stop])
         if grads.weight is not None:

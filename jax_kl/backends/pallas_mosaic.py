@@ -19,12 +19,14 @@ teacher chunk to start on a 64-row boundary: :func:`fits` says whether a chunk q
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax._src import config as jax_config  # the check plgpu.kernel turns off, where it exists
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -43,6 +45,7 @@ MIN_PROGRAMS = 8 * 132
 STAGES = 2
 LOWEST = -3.0e38  # running maxima start here, not at -inf (see pallas_triton.LOWEST)
 NEG_INF = float("-inf")
+NAME = "fused_kl_rows_mosaic"  # the kernel, as profiles and the lowered program name it
 WGMMA = plgpu.Layout.WGMMA
 ROW = WGMMA.reduce(1)
 
@@ -110,12 +113,20 @@ def _online(m, s, a):
     return m_new, s * jnp.exp(m - m_new) + jnp.sum(jnp.exp(a - _wide(m_new, a)), axis=1)
 
 
-def _launch(step, tiled: list, rowvecs: list, inits: list[float], g_dtype=None) -> list:
+def _unchecked_vma():
+    """What ``plgpu.kernel`` runs its kernel under: no varying-manual-axes check inside a
+    ``shard_map`` (the kernel's refs carry none)."""
+    check = getattr(jax_config, "_check_vma", None)
+    return contextlib.nullcontext() if check is None else check(False)
+
+
+def _launch(step, tiled: list, rowvecs: list, inits: list[float], write_grad: bool = False) -> list:
     """Run ``step(cols, tiles, rowvecs, carry, g_ref) -> carry`` over every ``[R, TV]`` tile.
 
     ``tiled`` are ``(array, first row block)``; ``rowvecs`` are ``[rows]`` float32 or int32
     per-row inputs. Returns the per-segment partials ``[segs, rows]`` of each carried value
-    (``inits`` are their starting values), then ``dL/dz`` when ``g_dtype`` is given.
+    (``inits`` are their starting values), then, with ``write_grad``, ``dL/dz``: written over
+    the logits (the first tiled array, passed as a mutable ref), each tile after it was read.
     """
     rows, v = tiled[0][0].shape
     tv = TV[len(tiled) > 1]
@@ -123,13 +134,14 @@ def _launch(step, tiled: list, rowvecs: list, inits: list[float], g_dtype=None) 
     padded = blocks * R
     rowvecs = [jnp.pad(r, (0, padded - rows)) for r in rowvecs]  # whole 64-row copies
     out_type = [jax.ShapeDtypeStruct((segs, padded), jnp.float32) for _ in inits]
-    if g_dtype is not None:
-        out_type.append(jax.ShapeDtypeStruct((rows, v), g_dtype))
+    arrays = [a for a, _ in tiled]
+    if write_grad:
+        arrays[0] = jax.new_ref(arrays[0])
     nt, nr = len(tiled), len(rowvecs)
 
     def body(*refs):
-        tiled_gmem, row_gmem, outs = refs[:nt], refs[nt : nt + nr], refs[nt + nr :]
-        partial_gmem, g_gmem = (outs[:-1], outs[-1]) if g_dtype is not None else (outs, None)
+        tiled_gmem, row_gmem, partial_gmem = refs[:nt], refs[nt : nt + nr], refs[nt + nr :]
+        g_gmem = tiled_gmem[0] if write_grad else None
         i, s = lax.axis_index("rows"), lax.axis_index("segs")
         rows_here = pl.ds(i * R, R)
 
@@ -143,11 +155,11 @@ def _launch(step, tiled: list, rowvecs: list, inits: list[float], g_dtype=None) 
                 *tile_refs, carry = tile_refs_and_carry
                 (j,) = indices
                 cols = (s * steps + j) * tv + plgpu.broadcasted_iota(jnp.int32, (R, tv), 1, layout=WGMMA)
-                tiles, g_ref = (tile_refs[:-1], tile_refs[-1]) if g_dtype is not None else (tile_refs, None)
+                tiles, g_ref = (tile_refs[:-1], tile_refs[-1]) if write_grad else (tile_refs, None)
                 return tuple(step(cols, tiles, row_values, list(carry), g_ref))
 
             in_specs = [_tiles(a.dtype, i, s, steps, tv, r0) for a, r0 in tiled]
-            out_specs = [] if g_dtype is None else [_tiles(g_dtype, i, s, steps, tv)]
+            out_specs = [_tiles(tiled[0][0].dtype, i, s, steps, tv)] if write_grad else []
             init = tuple(plgpu.layout_cast(jnp.full((R,), x0, jnp.float32), ROW) for x0 in inits)
             final = plgpu.emit_pipeline(
                 pipelined, grid=(steps,), in_specs=in_specs, out_specs=out_specs,
@@ -167,15 +179,13 @@ def _launch(step, tiled: list, rowvecs: list, inits: list[float], g_dtype=None) 
             plgpu.Barrier(),
         )
 
-    outs = plgpu.kernel(
-        body,
-        out_type=out_type,
-        grid=(blocks, segs),
-        grid_names=("rows", "segs"),
-        compiler_params=plgpu.CompilerParams(),
-        kernel_name="fused_kl_rows_mosaic",
-    )(*(a for a, _ in tiled), *rowvecs)
-    return [o[:, :rows] for o in outs[: len(inits)]] + list(outs[len(inits) :])
+    # pl.kernel on a Mosaic GPU mesh: plgpu.kernel's batching wrapper does not take a mutable ref.
+    mesh = plgpu.Mesh(grid=(blocks, segs), grid_names=("rows", "segs"), kernel_name=NAME)
+    with _unchecked_vma():
+        outs = pl.kernel(body, out_type=out_type, mesh=mesh, compiler_params=plgpu.CompilerParams(), name=NAME)(
+            *arrays, *rowvecs
+        )
+    return [o[:, :rows] for o in outs] + ([jax.freeze(arrays[0])] if write_grad else [])
 
 
 def _stats_step(cols, tiles, rowvecs, carry, g_ref, *, v: int, loss: Loss, has_teacher: bool, hard: bool):
@@ -263,9 +273,8 @@ def stats(z: jax.Array, t, y: jax.Array | None, loss: Loss, tile: tuple[int, int
     mass = jnp.sum(next(parts), axis=0) if has_teacher and not logits else zero
     label_logit = zero
     if hard:
-        inside = (y >= 0) & (y < v)
-        z_y = jnp.take_along_axis(z, jnp.where(inside, y, 0)[:, None], axis=1)[:, 0].astype(jnp.float32)
-        label_logit = jnp.where(inside, terms.transform(z_y, loss.logit_scale, loss.softcap, jnp), 0.0)
+        gather = lambda a, at: jnp.take_along_axis(a, at, axis=1).astype(jnp.float32)
+        label_logit = rowmath.label_logit(z, y, loss, gather, jnp)
     return jnp.stack([lse, lse_h, lse_t, mass, f_sum, label_logit], axis=1)
 
 
@@ -289,14 +298,13 @@ def finish(
     tile: tuple[int, int],
     write_grad: bool,
 ) -> tuple[jax.Array | None, jax.Array]:
-    """Phase 3: ``(dL/dz or None, the rows' forward-KL sums)``; ``dL/dz`` is a new buffer (a
-    Mosaic GPU kernel cannot alias its input), the logits die with it."""
+    """Phase 3: ``(dL/dz or None, the rows' forward-KL sums)``; ``dL/dz`` is written over ``z``."""
     del tile
     _require_fit(z, t)
     v = z.shape[1]
     rowvecs = ([] if y is None else [y.astype(jnp.int32)]) + [coefs[:, i] for i in range(6)]
     step = functools.partial(_finish_step, v=v, v_total=v_total, loss=loss, has_teacher=t is not None,
                              hard=y is not None)  # fmt: skip
-    outs = _launch(step, _tiled(z, t), rowvecs, [0.0], z.dtype if write_grad else None)
+    outs = _launch(step, _tiled(z, t), rowvecs, [0.0], write_grad)
     sums = jnp.sum(outs[0], axis=0)
     return (outs[1], sums) if write_grad else (None, sums)

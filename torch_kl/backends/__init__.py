@@ -38,19 +38,21 @@ def _jax_missing(device: torch.device) -> str | None:
 @dataclass(frozen=True)
 class Backend:
     """``phases``: module of the row phases the chunk driver runs, or None for a backend that
-    brings its own driver (the bridge); ``missing(device)`` says why it cannot run, or None."""
+    brings its own driver (the bridge); ``missing(device)`` says why it cannot run, or None;
+    ``fused_logits``: whether it has a logits GEMM that makes the ``stats`` phase on the way."""
 
     name: str
     runs: str
     missing: Callable[[torch.device], str | None]
     phases: str | None
     single_device: bool = False
+    fused_logits: bool = False
 
 
 REGISTRY = {
     b.name: b
     for b in (
-        Backend("triton", "the Triton row kernels, chunked", _triton_missing, "triton_phases"),
+        Backend("triton", "the Triton row kernels, chunked", _triton_missing, "triton_phases", fused_logits=True),
         Backend("torch", "the same chunked algorithm in plain PyTorch", lambda d: None, "torch_phases"),
         Backend("pallas", "jax_kl's Pallas kernels through DLPack, under torch autograd", _jax_missing, None, True),
     )
@@ -94,6 +96,15 @@ _PHASES = {"triton_phases": _triton_phases, "torch_phases": _torch_phases}
 def phases_of(name: str) -> ModuleType:
     """The row-phase module of a chunked backend, imported when first asked for."""
     return _PHASES[REGISTRY[name].phases]()  # type: ignore[index]
+
+
+def fused_logits_of(name: str) -> Callable | None:
+    """The backend's logits GEMM with the ``stats`` phase in its epilogue, if it has one."""
+    if not REGISTRY[name].fused_logits:
+        return None
+    from .triton_logits import logits_with_stats
+
+    return logits_with_stats
 
 
 def compute_of(name: str) -> Callable:

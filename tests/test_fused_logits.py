@@ -1,0 +1,95 @@
+"""The logits GEMM with the ``stats`` phase in its epilogue (``torch_kl/backends/triton_logits.py``)
+against ``x @ W^T`` and the ``stats`` kernel run on the same logits, in Triton's interpreter
+(float16 takes the TMA path, bfloat16 the pointer path) and on the GPU. It serves chunks
+without a dense teacher: the cross-entropy and top-k teachers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fused_kl.loss import Loss, Teacher
+from torch_kl.backends import fused_logits_of, triton_logits, triton_phases
+
+TILE = (1, 32)
+
+
+def _operands(dtype: torch.dtype, rows: int, v: int, h: int, bias: bool):
+    gen = torch.Generator().manual_seed(rows * 7 + v)
+    x = torch.randn(rows, h, generator=gen).to(dtype)
+    w = (torch.randn(v, h, generator=gen) / h**0.5).to(dtype)
+    b = torch.randn(v, generator=gen).to(dtype) if bias else None
+    y = torch.randint(-1, v + 2, (rows,), generator=gen)  # some outside the slice: label_logit 0
+    return x, w, b, y
+
+
+TOPK = Teacher("topk_log_probs", temperature=1.3)
+CASES = [  # (loss, hard term, bias)
+    (Loss(teacher=None, weight_soft=0.0, weight_hard=1.0), True, True),
+    (Loss(teacher=None, weight_soft=0.0, weight_hard=1.0, label_smoothing=0.1, softcap=3.0), True, False),
+    (Loss(teacher=TOPK, temperature=2.0, weight_hard=0.5), True, True),
+    (Loss(teacher=TOPK, softcap=5.0, logit_scale=0.5), False, False),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("loss", "hard", "bias"), CASES)
+@pytest.mark.parametrize(("rows", "v", "h"), [(37, 88, 40), (16, 32, 16)])
+def test_logits_and_stats_match_the_unfused_phases(dtype, loss, hard, bias, rows, v, h):
+    x, w, b, y = _operands(dtype, rows, v, h, bias)
+    y = y if hard else None
+    inputs = [a.clone() for a in (x, w, b) if a is not None]
+    z = torch.full((rows, v), float("nan"), dtype=dtype)
+    stats = triton_logits.logits_with_stats(x, w, b, None, y, loss, z)
+    assert stats is not None
+    expected_z = x.float() @ w.float().T + (0.0 if b is None else b.float())
+    torch.testing.assert_close(z.float(), expected_z, atol=2e-2, rtol=1e-2)
+    # The statistics are those of the logits as stored: the same as the stats kernel's on z.
+    expected = triton_phases.stats(z, None, y, loss, TILE)
+    torch.testing.assert_close(stats, expected, atol=2e-5, rtol=2e-5)
+    assert all(torch.equal(a, c) for a, c in zip([a for a in (x, w, b) if a is not None], inputs, strict=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("loss", "hard", "bias"), CASES)
+def test_on_the_gpu_with_partial_tiles(dtype, loss, hard, bias):
+    """The TMA path with the GPU tile shape: 300 rows, 2056 columns, H = 264 all leave partial tiles."""
+    x, w, b, y = (None if a is None else a.cuda() for a in _operands(dtype, 300, 2056, 264, bias))
+    y = y if hard else None
+    z = torch.full((300, 2056), float("nan"), dtype=dtype, device="cuda")
+    stats = triton_logits.logits_with_stats(x, w, b, None, y, loss, z)
+    assert stats is not None
+    expected_z = torch.mm(x, w.T) if b is None else torch.addmm(b, x, w.T)
+    torch.testing.assert_close(z.float(), expected_z.float(), atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(stats, triton_phases.stats(z, None, y, loss, (4, 128)), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda x, w, z: (x.float(), w.float(), z.float()),  # float32: cuBLAS without TF32 instead
+        lambda x, w, z: (x, w[:-1], z[:, :-1]),  # 87 columns: rows of 174 bytes, not TMA-aligned
+        lambda x, w, z: (x[:, :-2], w[:, :-2], z),  # a non-contiguous x
+    ],
+)
+def test_operands_it_does_not_take_are_left_to_cublas(change):
+    x, w, _, _ = _operands(torch.bfloat16, 8, 88, 40, False)
+    z = torch.zeros(8, 88, dtype=torch.bfloat16)
+    x, w, z = change(x, w, z)
+    before = z.clone()
+    assert triton_logits.logits_with_stats(x, w, None, None, None, CASES[0][0], z) is None
+    assert torch.equal(z, before)
+
+
+def test_a_dense_teacher_chunk_is_left_to_the_stats_kernel():
+    x, w, _, _ = _operands(torch.float16, 8, 88, 40, False)
+    z = torch.zeros(8, 88, dtype=torch.float16)
+    t = torch.softmax(torch.randn(8, 88), -1).half()
+    assert triton_logits.logits_with_stats(x, w, None, t, None, Loss(teacher=Teacher("probs", 1.0)), z) is None
+    assert not z.any()
+
+
+def test_only_the_triton_backend_has_it():
+    assert fused_logits_of("triton") is triton_logits.logits_with_stats
+    assert fused_logits_of("torch") is None

@@ -1,0 +1,189 @@
+"""The logits GEMM with the ``stats`` phase in its epilogue: one pass over the chunk fewer.
+
+``z = x W^T (+ b)`` as a persistent Triton GEMM. While a ``[BM, BN]`` tile of logits is still in
+registers, the epilogue computes that tile's share of ``fused_kl.rowmath.STATS`` with the same
+``triton_phases`` terms (log-sum-exps of ``f(z)/T`` and, for the hard term, of ``f(z)``; ``sum
+f(z)``) and stores it per column tile; :func:`logits_with_stats` combines the tiles like
+vocabulary shards. The statistics are those of the logits as stored (rounded to their dtype),
+the values the later phases read.
+
+It serves the chunks without a dense teacher (the cross-entropy, top-k teachers). With one,
+the epilogue would also read the teacher's tile after the GEMM's main loop, exposed, and on the
+H200 that cost as much as the ``stats`` kernel's pass saves (benchmarks/RESULTS.md).
+
+On Hopper the tiles move by TMA (tensor descriptors); elsewhere (the CPU interpreter's tests)
+by masked pointer loads. Inputs the kernel does not take get ``None`` back, and the caller runs
+cuBLAS and the ``stats`` kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from fused_kl import rowmath
+from fused_kl.loss import Loss
+
+from .triton_phases import _common, _transform
+
+# Tile shape measured on the H200 (benchmarks/RESULTS.md): a 128 x 256 tile, 3 stages and one
+# program per SM run the chunk's logits GEMM within 3 % of cuBLAS with the epilogue included.
+GPU_CONFIG = dict(BM=128, BN=256, BK=64, GROUP=8, num_warps=8, num_stages=3)
+INTERPRET_CONFIG = dict(BM=16, BN=32, BK=16, GROUP=2, num_warps=4, num_stages=1)
+PARTS = 3  # per column tile: lse, lse_hard, sum f
+
+
+@triton.jit
+def _grouped(tile, num_m, num_n, GROUP: tl.constexpr):
+    """Row block and column block of a tile, GROUP row blocks sweeping the columns together so
+    the weight tile they share is read from L2."""
+    width = GROUP * num_n
+    first = (tile // width) * GROUP
+    size = tl.minimum(num_m - first, GROUP)
+    return first + (tile % width) % size, (tile % width) // size
+
+
+@triton.jit
+def _tile_lse(a):
+    m = tl.max(a, axis=1)
+    return m + tl.log(tl.sum(tl.exp(a - m[:, None]), axis=1))
+
+
+@triton.jit
+def _logits_kernel(
+    x, w, z, bias_ptr, part_ptr, M, V, K, inv_t, scale, cap,
+    CAPPED: tl.constexpr, HARD: tl.constexpr,
+    HARD_LSE: tl.constexpr, HAS_BIAS: tl.constexpr, TMA: tl.constexpr, F16: tl.constexpr, UPCAST: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr, NPROG: tl.constexpr,
+):  # fmt: skip
+    inv_t, scale, cap = tl.cast(inv_t, tl.float32), tl.cast(scale, tl.float32), tl.cast(cap, tl.float32)
+    num_m = tl.cdiv(M, BM)
+    num_n = tl.cdiv(V, BN)
+    part_stride = num_n * M
+    for tile in tl.range(tl.program_id(0), num_m * num_n, NPROG, flatten=True):
+        pm, pn = _grouped(tile, num_m, num_n, GROUP)
+        rows = pm * BM + tl.arange(0, BM)
+        cols = pn * BN + tl.arange(0, BN)
+        acc = tl.zeros((BM, BN), tl.float32)
+        for k in range(0, K, BK):
+            if TMA:
+                xa = x.load([pm * BM, k])
+                wb = w.load([pn * BN, k])
+            else:
+                ks = k + tl.arange(0, BK)
+                xa = tl.load(x + rows[:, None].to(tl.int64) * K + ks[None, :],
+                             mask=(rows[:, None] < M) & (ks[None, :] < K), other=0.0)  # fmt: skip
+                wb = tl.load(w + cols[:, None].to(tl.int64) * K + ks[None, :],
+                             mask=(cols[:, None] < V) & (ks[None, :] < K), other=0.0)  # fmt: skip
+            if UPCAST:
+                xa, wb = xa.to(tl.float32), wb.to(tl.float32)
+            acc = tl.dot(xa, wb.T, acc)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols, mask=cols < V, other=0.0).to(tl.float32)[None, :]
+        zq = acc.to(tl.float16 if F16 else tl.bfloat16)
+        if TMA:
+            z.store([pm * BM, pn * BN], zq)
+        else:
+            tl.store(z + rows[:, None].to(tl.int64) * V + cols[None, :], zq,
+                     mask=(rows[:, None] < M) & (cols[None, :] < V))  # fmt: skip
+        valid = (cols < V)[None, :]
+        f = _transform(zq.to(tl.float32), scale, cap, CAPPED)
+        out = part_ptr + pn * M + rows
+        live = rows < M
+        tl.store(out, _tile_lse(tl.where(valid, f * inv_t, -float("inf"))), mask=live)
+        if HARD_LSE:
+            tl.store(out + part_stride, _tile_lse(tl.where(valid, f, -float("inf"))), mask=live)
+        if HARD:
+            tl.store(out + 2 * part_stride, tl.sum(tl.where(valid, f, 0.0), axis=1), mask=live)
+
+
+@functools.cache
+def _programs(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _interpreted(device: torch.device) -> bool:
+    return device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, z: torch.Tensor) -> bool:
+    """Whether the fused GEMM takes these operands: half precision, contiguous rows, on Hopper or
+    newer (or in the interpreter), with rows whose bytes TMA can address (multiples of 16)."""
+    dev = x.device
+    if not (_interpreted(dev) or (dev.type == "cuda" and torch.cuda.get_device_capability(dev) >= (9, 0))):
+        return False
+    if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype or z.dtype != x.dtype:
+        return False
+    if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
+        return False
+    if not (x.is_contiguous() and weight.is_contiguous() and z.is_contiguous()) or x.shape[0] == 0:
+        return False
+    return all(n * x.element_size() % 16 == 0 for n in (x.shape[1], weight.shape[0])) and all(
+        a.data_ptr() % 16 == 0 for a in (x, weight, z)
+    )
+
+
+def logits_with_stats(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    t: torch.Tensor | None,
+    y: torch.Tensor | None,
+    loss: Loss,
+    z: torch.Tensor,
+) -> torch.Tensor | None:
+    """Write the chunk's logits ``x W^T (+ bias)`` into ``z`` and return their ``STATS`` (local
+    to this vocabulary slice; ``y`` the local labels), or ``None`` without touching ``z`` when
+    the fused GEMM does not take these operands or the chunk has a dense teacher ``t``."""
+    if t is not None or not _fits(x, weight, bias, z):
+        return None
+    (m, k), v = x.shape, weight.shape[0]
+    interpreted = _interpreted(x.device)
+    cfg = dict(INTERPRET_CONFIG if interpreted else GPU_CONFIG)
+    bm, bn, bk = cfg.pop("BM"), cfg.pop("BN"), cfg.pop("BK")
+    # Triton 3.9's interpreter misreads bfloat16 tensor descriptors and multiplies bfloat16 tiles
+    # wrongly: there, float16 takes the TMA path and bfloat16 the pointer path with float32
+    # tiles (exact: the products of bfloat16 values, accumulated in float32 either way).
+    bf16_interpreted = interpreted and x.dtype == torch.bfloat16
+    tma = not bf16_interpreted
+    tiles = triton.cdiv(m, bm) * triton.cdiv(v, bn)
+    programs = min(tiles, 4 if interpreted else _programs(x.device.index or 0))
+    if tma:
+        operands = (TensorDescriptor.from_tensor(x, [bm, bk]), TensorDescriptor.from_tensor(weight, [bn, bk]),
+                    TensorDescriptor.from_tensor(z, [bm, bn]))  # fmt: skip
+    else:
+        operands = (x, weight, z)
+    common = _common(loss)
+    parts = torch.empty(PARTS, triton.cdiv(v, bn), m, dtype=torch.float32, device=x.device)
+    _logits_kernel[(programs,)](
+        *operands, z if bias is None else bias, parts, m, v, k, common["inv_t"], common["scale"], common["cap"],
+        CAPPED=common["CAPPED"], HARD=y is not None, HARD_LSE=loss.separate_hard_lse, HAS_BIAS=bias is not None,
+        TMA=tma, F16=x.dtype == torch.float16, UPCAST=bf16_interpreted, BM=bm, BN=bn, BK=bk, NPROG=programs, **cfg,
+    )  # fmt: skip
+    return _combine(parts, z, y, loss)
+
+
+def _combine(parts: torch.Tensor, z: torch.Tensor, y: torch.Tensor | None, loss: Loss) -> torch.Tensor:
+    """The column tiles' partial statistics combined into each row's ``STATS``."""
+
+    def lse(i: int) -> torch.Tensor:
+        return rowmath.combine_lse(parts[i], lambda a: a.amax(0), lambda a: a.sum(0), torch)
+
+    zero = torch.zeros(z.shape[0], dtype=torch.float32, device=z.device)
+    lse_z = lse(0)
+    return torch.stack(
+        [
+            lse_z,
+            lse(1) if loss.separate_hard_lse else lse_z,
+            zero,
+            zero,
+            parts[2].sum(0) if y is not None else zero,
+            zero if y is None else rowmath.label_logit(z, y, loss, lambda a, at: a.gather(1, at).float(), torch),
+        ],
+        dim=1,
+    )
