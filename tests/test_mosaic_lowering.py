@@ -62,6 +62,25 @@ def test_every_phase_lowers_to_a_mosaic_gpu_kernel(name: str) -> None:
     assert text.count("fused_kl_rows_mosaic") >= phases, text[:2000]
 
 
+def test_finish_writes_dl_dz_over_the_logits() -> None:
+    """The ``finish`` kernel's gradient output aliases the logits operand: no second ``[rows, V]``
+    buffer (0.73 GiB on the llama-3 head at 3072 rows), and ``dL/dz`` keeps the logits' shape."""
+    loss = Loss(teacher=Teacher("probs", 1.0))
+    z = jax.ShapeDtypeStruct((ROWS, V), jnp.bfloat16)
+    target = jax.ShapeDtypeStruct((ROWS, V), jnp.float32)
+
+    def f(z, target):
+        g, sums = _chunk(loss, z, (target, 0), None)
+        assert g.shape == z.shape and g.dtype == z.dtype
+        return g, sums
+
+    calls = [line for line in jax.jit(f).trace(z, target).lower(lowering_platforms=("cuda",)).as_text().splitlines()
+             if "custom_call @mosaic_gpu" in line]  # fmt: skip
+    assert len(calls) == 2
+    assert "output_operand_alias" not in calls[0]  # stats: partial sums only
+    assert "output_operand_alias" in calls[1] and "operand_index = 0" in calls[1]
+
+
 def test_chunks_the_tma_cannot_move_are_refused_by_name() -> None:
     aligned, odd_v = jnp.zeros((64, 128), jnp.bfloat16), jnp.zeros((64, 100), jnp.bfloat16)
     assert pallas_mosaic.fits(aligned, None)
