@@ -2,10 +2,10 @@
 phases, inputs and outputs as ``pallas_triton`` (whose docstring and ``fused_kl.terms`` state
 the math), laid out the way the Hopper hardware moves data.
 
-One program (``pl.kernel`` on a Mosaic GPU mesh) owns ``R = 64`` rows (one warpgroup's WGMMA register layout) and
-one segment of the vocabulary; ``plgpu.emit_pipeline`` walks the segment in ``[R, TV]`` tiles
-that the tensor memory accelerator (TMA) copies into shared memory while the previous tile is
-computed, the rows' running maxima and sums carried in registers. The segments' partial
+One program (``pl.kernel`` on a Mosaic GPU mesh) owns ``R = 64`` rows (one warpgroup's WGMMA
+register layout) and one segment of the vocabulary; ``plgpu.emit_pipeline`` walks the segment
+in ``[R, TV]`` tiles that the tensor memory accelerator (TMA) copies into shared memory while
+the previous tile is computed, the rows' running maxima and sums carried in registers. The segments' partial
 statistics are combined afterwards by XLA (the log-sum-exp combination of a vocabulary-sharded
 layout): segments exist because a chunk has too few 64-row blocks to fill the GPU. The per-row
 inputs are copied to shared memory once per program. ``dL/dz`` is written over the logits,
