@@ -89,8 +89,9 @@ def forward(
         done = row_loss
         if with_grads:
             grad_x_rows.append(dot(g, weight, (1, 0), x.dtype))
-            # XLA (0.11, H200) does not fold this add into the GEMM: each chunk after the first
-            # costs a [V, H] product buffer and an add pass (benchmarks/RESULTS.md).
+            # XLA (0.11, H200) folds this add into the GEMM (beta = 1) only with its Triton GEMMs
+            # off (xla_gpu_enable_triton_gemm=False, docs/choosing.md); otherwise each chunk after
+            # the first costs a [V, H] product buffer and an add pass (benchmarks/RESULTS.md).
             grad_w = _add(grad_w, dot(g, xc, (0, 0), accum))
             grad_b = _add(grad_b, jnp.sum(g, axis=0, dtype=jnp.float32))
             done = (grad_x_rows[-1], grad_w, grad_b)
