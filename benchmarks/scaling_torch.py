@@ -99,6 +99,9 @@ def main() -> None:
     try:
         result = measure(args.rank, args.world, args.n, args.head, args.reps)
         args.out.write_text(json.dumps(result))
+        # Every rank done before any tears the group down: a gloo rank whose peer had already
+        # destroyed the group aborted at exit on a loaded CI machine.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
