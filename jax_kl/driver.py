@@ -20,7 +20,7 @@ from fused_kl.options import RunOptions
 from fused_kl.plan import plan_chunks
 
 from . import teachers
-from .backends import phases_of
+from .backends import in_place_grad_weight_of, phases_of
 from .gemm import dot
 from .layout import Layout
 from .teachers import TeacherArrays
@@ -41,6 +41,16 @@ OPS = ChunkOps(
 
 def _add(acc: jax.Array | None, term: jax.Array) -> jax.Array:
     return term if acc is None else acc + term
+
+
+def _add_grad_weight(acc: jax.Array | None, g: jax.Array, xc: jax.Array, dtype, in_place) -> jax.Array:
+    """``acc + gᵀ x``. XLA (0.11, H200) folds the add into the GEMM (beta = 1) only with its
+    Triton GEMMs off (``xla_gpu_enable_triton_gemm=False``, docs/choosing.md); otherwise each
+    chunk after the first costs a ``[V, H]`` product buffer and an add pass
+    (benchmarks/RESULTS.md). Hence the in-place kernel of the Mosaic GPU backends."""
+    if acc is not None and in_place is not None and in_place.fits(acc, g, xc):
+        return in_place.accumulate(acc, g, xc)
+    return _add(acc, dot(g, xc, (0, 0), dtype))
 
 
 def forward(
@@ -64,6 +74,7 @@ def forward(
     v0, v_total = layout.vocab_start(v), v * layout.vocab_shards
     plan = plan_chunks(n, v, x.dtype.itemsize, run.chunk_size, teachers.buffers(loss))
     phases = phases_of(run.backend)
+    in_place = in_place_grad_weight_of(run.backend)
 
     keep = jnp.ones(n, bool) if labels is None else labels != loss.ignore_index
     kept = layout.batch_sum(jnp.sum(keep, dtype=jnp.float32))
@@ -89,10 +100,7 @@ def forward(
         done = row_loss
         if with_grads:
             grad_x_rows.append(dot(g, weight, (1, 0), x.dtype))
-            # XLA (0.11, H200) folds this add into the GEMM (beta = 1) only with its Triton GEMMs
-            # off (xla_gpu_enable_triton_gemm=False, docs/choosing.md); otherwise each chunk after
-            # the first costs a [V, H] product buffer and an add pass (benchmarks/RESULTS.md).
-            grad_w = _add(grad_w, dot(g, xc, (0, 0), accum))
+            grad_w = _add_grad_weight(grad_w, g, xc, accum, in_place)
             grad_b = _add(grad_b, jnp.sum(g, axis=0, dtype=jnp.float32))
             done = (grad_x_rows[-1], grad_w, grad_b)
 

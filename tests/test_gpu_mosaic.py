@@ -84,3 +84,42 @@ def test_unaligned_vocabulary_falls_back_or_is_refused() -> None:
     with pytest.raises(ValueError, match=r"^backend: 'pallas_mosaic' is not available here: the TMA"):
         jax_kl.fused_linear_kl_div(x, w, t, backend="pallas_mosaic")
     assert jnp.isfinite(auto)
+
+
+@pytest.mark.parametrize("rows", [192, 200])  # 200: a partial last slice of 64 rows
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_grad_weight_kernel_adds_in_place_rounding_once(dtype, rows: int) -> None:
+    from jax_kl.backends import mosaic_accumulate
+
+    v, h = 384, 512  # 3 x 2 output tiles
+    k = jax.random.split(jax.random.key(0), 3)
+    g = (jax.random.normal(k[0], (rows, v)) * 0.1).astype(dtype)
+    x = jax.random.normal(k[1], (rows, h)).astype(dtype)
+    acc = jax.random.normal(k[2], (v, h)).astype(dtype)
+    assert mosaic_accumulate.fits(acc, g, x)
+    exact = acc.astype(jnp.float32) + jnp.dot(
+        g.astype(jnp.float32).T, x.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
+    )
+    got = jax.jit(mosaic_accumulate.accumulate)(acc, g, x).astype(jnp.float32)
+    # one rounding of the float32 sum: half a unit in the last place, plus float32's own sum order
+    half_ulp = 2.0 ** (-8 if dtype == jnp.bfloat16 else -11)
+    assert bool(jnp.all(jnp.abs(got - exact) <= half_ulp * jnp.abs(exact) + 1e-4))
+    xla = (acc + jnp.dot(g.T, x, preferred_element_type=jnp.float32).astype(dtype)).astype(jnp.float32)
+    assert float(jnp.linalg.norm(got - exact)) <= float(jnp.linalg.norm(xla - exact))  # one rounding, not two
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", ["forward", "jsd-hard-T"])
+def test_chunks_add_grad_weight_in_place_like_xla(name: str, dtype: torch.dtype) -> None:
+    """Four chunks of 256 rows: the last three add their ``grad_weight`` GEMM in place; the
+    gradients agree with the Triton lowering's (XLA's add) to the dtype's rounding."""
+    inputs = _inputs(1024, 256, 8192, dtype)
+    options = dict(OPTIONS[name], chunk_size=256)
+    ref = run_gpu("jax/pallas_triton", *inputs, **options)
+    got = run_gpu("jax/pallas", *inputs, **options)
+    assert abs(float(got[0]) - float(ref[0])) <= 2e-3 * abs(float(ref[0]))
+    assert rel(got[1], ref[1]) <= 2e-3
+    assert rel(got[2], ref[2]) <= 4e-3
+    f = jax.jit(lambda x, w, t: jax.grad(lambda w: jax_kl.fused_linear_kl_div(x, w, t, chunk_size=256))(w))
+    text = f.lower(*(jax.dlpack.from_dlpack(a) for a in inputs[:3])).as_text()
+    assert text.count("fused_kl_grad_weight_mosaic") >= 3

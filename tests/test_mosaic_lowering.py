@@ -108,3 +108,43 @@ def test_pallas_runs_the_triton_lowering_where_mosaic_cannot() -> None:
     assert pallas_phases._pick(z, None) is expected
     assert pallas_phases._pick(jnp.zeros((64, 100), jnp.bfloat16), None) is pallas_triton
     assert pallas_phases._pick(z, (jnp.zeros((64, 128), jnp.float32), 32)) is pallas_triton  # teacher row 32
+
+
+def test_grad_weight_kernel_lowers_and_adds_in_place() -> None:
+    from jax_kl.backends import mosaic_accumulate
+
+    acc = jax.ShapeDtypeStruct((384, 512), jnp.bfloat16)
+    g = jax.ShapeDtypeStruct((192, 384), jnp.bfloat16)
+    x = jax.ShapeDtypeStruct((192, 512), jnp.bfloat16)
+    text = jax.jit(mosaic_accumulate.accumulate).trace(acc, g, x).lower(lowering_platforms=("cuda",)).as_text()
+    calls = [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
+    assert len(calls) == 1 and "operand_index = 2" in calls[0]  # the output is the accumulator's buffer
+
+
+def test_grad_weight_kernel_takes_only_whole_tiles_of_one_16_bit_dtype() -> None:
+    from jax_kl.backends import mosaic_accumulate
+
+    def fits(rows=192, v=384, h=512, dtype=jnp.bfloat16, acc_dtype=None):
+        acc = jnp.zeros((v, h), acc_dtype or dtype)
+        return mosaic_accumulate.fits(acc, jnp.zeros((rows, v), dtype), jnp.zeros((rows, h), dtype))
+
+    assert fits() and fits(dtype=jnp.float16)
+    assert not fits(acc_dtype=jnp.float32)  # accum_dtype=float32 keeps XLA's GEMM
+    assert not fits(dtype=jnp.float32)
+    assert fits(rows=200)  # a partial last slice of rows: the TMA reads zeros past the chunk
+    assert not fits(v=400) and not fits(h=384)
+
+
+@pytest.mark.parametrize(
+    ("flags", "folds"),
+    [("", False), ("--xla_gpu_enable_triton_gemm=false", True), ("--a=1 --xla_gpu_enable_triton_gemm=False", True),
+     ("--xla_gpu_enable_triton_gemm=0", True), ("--xla_gpu_enable_triton_gemm=true", False)],
+)  # fmt: skip
+def test_xla_flags_that_fold_the_add_leave_it_to_xla(monkeypatch, flags: str, folds: bool) -> None:
+    from jax_kl.backends import in_place_grad_weight_of, xla_folds_the_add
+
+    monkeypatch.setenv("XLA_FLAGS", flags)
+    assert xla_folds_the_add() is folds
+    if folds or mosaic_missing() is not None:
+        assert in_place_grad_weight_of("pallas") is None
+    assert in_place_grad_weight_of("pallas_triton") is None and in_place_grad_weight_of("xla") is None

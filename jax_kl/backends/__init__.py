@@ -54,13 +54,16 @@ def _torch_triton_missing() -> str | None:
 @dataclass(frozen=True)
 class Backend:
     """``phases``: module of the row phases the chunk driver runs, or None for a backend that
-    brings its own driver (the bridge); ``missing()`` says why it cannot run here, or None."""
+    brings its own driver (the bridge); ``missing()`` says why it cannot run here, or None;
+    ``in_place_grad_weight``: whether it adds each chunk's ``grad_weight`` GEMM into the
+    accumulator in place (``mosaic_accumulate``) where that kernel runs."""
 
     name: str
     runs: str
     missing: Callable[[], str | None]
     phases: str | None
     single_device: bool = False
+    in_place_grad_weight: bool = False
 
 
 REGISTRY = {
@@ -72,12 +75,14 @@ REGISTRY = {
             " (interpreted on CPU)",
             lambda: None,
             "pallas_phases",
+            in_place_grad_weight=True,
         ),
         Backend(
             "pallas_mosaic",
             "the Pallas row kernels on Mosaic GPU (Hopper or newer, jax >= 0.11), chunked",
             mosaic_missing,
             "pallas_mosaic",
+            in_place_grad_weight=True,
         ),
         Backend(
             "pallas_triton",
@@ -115,6 +120,27 @@ def resolve(name: object) -> Backend:
 def phases_of(name: str) -> ModuleType:
     """The row-phase module of a chunked backend, imported when first asked for."""
     return importlib.import_module(f"{__name__}.{REGISTRY[name].phases}")
+
+
+def xla_folds_the_add() -> bool:
+    """Whether ``XLA_FLAGS`` turns XLA's Triton GEMMs off, so that XLA itself folds ``acc + gᵀ x``
+    into a cuBLAS GEMM (beta = 1), a few per cent faster than ``mosaic_accumulate`` on the H200
+    (benchmarks/RESULTS.md). Options given to ``jit(..., compiler_options=)`` are not visible here."""
+    flags = os.environ.get("XLA_FLAGS", "").lower()
+    return bool(re.search(r"--xla_gpu_enable_triton_gemm=(false|0)\b", flags))
+
+
+def in_place_grad_weight_of(name: str) -> ModuleType | None:
+    """The module whose ``accumulate(acc, g, x)`` adds ``gᵀ x`` into ``acc`` in place (where its
+    ``fits`` says so), or None where the add is left to XLA: the backend has no such kernel,
+    Mosaic GPU cannot run, or XLA folds the add itself (:func:`xla_folds_the_add`)."""
+    if not REGISTRY[name].in_place_grad_weight or mosaic_missing() is not None or xla_folds_the_add():
+        return None
+    try:
+        from . import mosaic_accumulate
+    except (ImportError, AttributeError):  # a JAX whose Mosaic GPU API moved: XLA's add
+        return None
+    return mosaic_accumulate
 
 
 def compute_of(name: str) -> Callable:

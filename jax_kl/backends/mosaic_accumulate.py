@@ -1,0 +1,134 @@
+"""The ``grad_weight`` GEMM of a chunk as a Mosaic GPU kernel that adds into its accumulator in
+place: ``acc[V, H] <- acc + gᵀ x`` for the chunk's ``dL/dz`` ``g [rows, V]`` and inputs
+``x [rows, H]``, the sum taken in float32 and rounded once to ``acc``'s dtype.
+
+Why: XLA folds ``acc + dot(g, x)`` into one GEMM (cuBLAS's beta = 1) only with its Triton GEMMs
+off; otherwise every chunk after the first costs a ``[V, H]`` product buffer and an add pass
+that reads it and the accumulator (benchmarks/RESULTS.md). Here the accumulator goes in as a
+mutable ref (the kernel's output aliases it), and each output tile's slice of it is loaded by
+the tensor memory accelerator (TMA) while the tile's main loop runs, so the add costs one read
+and the write a GEMM makes anyway.
+
+Layout: a persistent kernel, one program per multiprocessor, walks the ``[V, H]`` output in
+``128 x 256`` tiles; in each, a memory warpgroup streams ``64``-row slices of ``g`` and ``x``
+through shared memory and two compute warpgroups each multiply one ``128 x 128`` half with WGMMA,
+``g``'s slice read transposed (``[64, 128]`` in memory, ``[128, 64]`` to the tensor cores).
+``V`` and ``H`` must be whole numbers of output tiles (:func:`fits`); the driver uses XLA's
+add elsewhere.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from .pallas_mosaic import _unchecked_vma
+
+TILE_M, TILE_N, TILE_K = 128, 128, 64  # one compute warpgroup's output tile; the slice of rows per step
+CTA_M, CTA_N = TILE_M, 2 * TILE_N  # one program's output tile: the two warpgroups side by side along H
+STAGES = 3  # 3 x 48 KiB of operands + 64 KiB of accumulator tile fit the H200's 227 KiB
+DELAY = 1  # steps an operand slot stays held after its MMA is issued (one MMA in flight)
+SNAKE_WIDTH, SNAKE_MINOR = 4, 1  # bands of 4 tiles along V walked along H first (L2 reuse)
+NAME = "fused_kl_grad_weight_mosaic"
+H100_SMS = 132  # programs when the GPU cannot be asked (lowering on a machine without one)
+
+
+def fits(acc: jax.Array, g: jax.Array, x: jax.Array) -> bool:
+    """Whether this kernel can add ``gᵀ x`` into ``acc``: 16-bit operands and accumulator of one
+    dtype (a float32 accumulator keeps XLA's GEMM), and every dimension a whole number of tiles."""
+    (rows, v), h = g.shape, x.shape[1]
+    same = acc.dtype == g.dtype == x.dtype and g.dtype in (jnp.bfloat16, jnp.float16)
+    tiled = v % CTA_M == 0 and h % CTA_N == 0
+    return same and tiled and acc.shape == (v, h) and x.shape[0] == rows
+
+
+def _sms() -> int:
+    device = jax.devices()[0]
+    return (getattr(device, "core_count", None) if device.platform == "gpu" else None) or H100_SMS
+
+
+def _transforms(dtype, minor: int) -> tuple:
+    swizzle = plgpu.find_swizzle(minor * jnp.dtype(dtype).itemsize * 8)
+    return plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle)
+
+
+def _operand(cols: int, dtype) -> plgpu.BlockSpec:
+    """Step ``k``'s ``[TILE_K, cols]`` slice of an operand: its rows ``k * TILE_K ...``; past the
+    chunk's last row the TMA reads zeros, which add nothing."""
+    transforms = _transforms(dtype, TILE_K)
+    return plgpu.BlockSpec((TILE_K, cols), lambda k: (k, 0), transforms=transforms, delay_release=DELAY)
+
+
+def _body(g_gmem, x_gmem, acc_gmem):
+    rows, v = g_gmem.shape
+    h = x_gmem.shape[1]
+    m_iters, n_iters = v // CTA_M, h // CTA_N
+
+    def pipeline(mma, context):
+        return plgpu.emit_pipeline_warp_specialized(
+            mma,
+            grid=(pl.cdiv(rows, TILE_K),),
+            memory_registers=40,
+            in_specs=[_operand(CTA_M, g_gmem.dtype), _operand(CTA_N, x_gmem.dtype)],
+            wg_axis="wg",
+            num_compute_wgs=2,
+            max_concurrent_steps=STAGES,
+            compute_context=context,
+        )
+
+    ignore = lambda *_, **__: None  # the allocations do not depend on the bodies
+
+    @functools.partial(
+        pl.run_scoped,
+        allocations=pipeline(ignore, ignore).get_allocations(g_gmem, x_gmem),
+        acc_smem=plgpu.SMEM((2, TILE_M, TILE_N), acc_gmem.dtype, transforms=_transforms(acc_gmem.dtype, TILE_N)),
+        loaded=plgpu.Barrier(num_barriers=2),
+        collective_axes="wg",
+    )
+    def scoped(allocations, acc_smem, loaded):
+        wg = lax.axis_index("wg")
+
+        @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
+        def tiles(info: plgpu.NDLoopInfo) -> None:
+            (index,) = info.index
+            mi, ni = plgpu.planar_snake(index, (m_iters, n_iters), SNAKE_MINOR, SNAKE_WIDTH)
+            m_slice, n_slice = pl.ds(mi * CTA_M, CTA_M), pl.ds(ni * CTA_N, CTA_N)
+            half = pl.ds(wg * TILE_N, TILE_N)
+            out = acc_gmem.at[m_slice, n_slice].at[:, half]
+            mine = acc_smem.at[wg]
+
+            def context(run_main_loop):
+                @functools.partial(pl.run_scoped, product=plgpu.ACC((TILE_M, TILE_N), jnp.float32))
+                def accumulate(product):
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's store has left
+                    plgpu.copy_gmem_to_smem(out, mine, loaded.at[wg])  # overlaps the main loop
+                    run_main_loop(product)
+                    plgpu.barrier_wait(loaded.at[wg])
+                    mine[...] = (mine[...].astype(jnp.float32) + product[...]).astype(mine.dtype)
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(mine, out)
+
+            def mma(indices, g_smem, x_smem, product):
+                del indices
+                plgpu.wgmma(product, g_smem.T, x_smem.at[:, half])
+                plgpu.wgmma_wait(DELAY)  # the previous step's MMA has read its slot: release it
+                return product
+
+            pipeline(mma, context)(g_gmem.at[:, m_slice], x_gmem.at[:, n_slice], allocations=allocations)
+
+    plgpu.wait_smem_to_gmem(0)
+
+
+def accumulate(acc: jax.Array, g: jax.Array, x: jax.Array) -> jax.Array:
+    """``acc + gᵀ x``, written over ``acc`` (see the module docstring); needs :func:`fits`."""
+    ref = jax.new_ref(acc)
+    mesh = plgpu.Mesh(grid=(_sms(),), grid_names=("sm",), num_threads=3, thread_name="wg", kernel_name=NAME)
+    params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
+    with _unchecked_vma():
+        pl.kernel(_body, out_type=(), mesh=mesh, compiler_params=params, name=NAME)(g, x, ref)
+    return jax.freeze(ref)
