@@ -53,8 +53,10 @@ def test_mosaic_matches_triton_lowering(name: str, dtype: torch.dtype) -> None:
     got = run_gpu("jax/pallas_mosaic", *inputs, chunk_size=512, **options)
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     assert abs(float(got[0]) - float(ref[0])) <= tol * abs(float(ref[0])), (float(got[0]), float(ref[0]))
-    for a, b in zip(got[1:3], ref[1:3], strict=True):
-        assert rel(a, b) <= tol
+    assert rel(got[1], ref[1]) <= tol
+    # 16-bit grad_weight: the second chunk's sum is rounded once by the in-place GEMM
+    # (mosaic_accumulate), twice by XLA's product-then-add
+    assert rel(got[2], ref[2]) <= (tol if dtype == torch.float32 else 4e-3)
 
 
 @pytest.mark.parametrize("fn", ["kl_div", "cross_entropy"])
