@@ -207,7 +207,9 @@ def build() -> dict[str, Impl]:
     if "triton" in _registry("torch_kl"):
         impls["torch_kl/triton-cublas-logits"] = Impl("torch", _torch_kl_cublas_logits)
     # XLA folds each chunk's `acc + g^T x` into a cuBLAS GEMM (beta = 1) only when its own Triton
-    # GEMMs are off: what a user's jit gains with this option (docs/choosing.md).
+    # GEMMs are off: `pallas_triton-cublas` shows that fold. `pallas-cublas` is what a user's
+    # jit(compiler_options=...) gets on the default backend, which cannot see the option and still
+    # adds in place (docs/choosing.md).
     no_triton_gemm = {"xla_gpu_enable_triton_gemm": False}
     for name in ("pallas", "pallas_triton"):
         if f"jax_kl/{name}" in impls:

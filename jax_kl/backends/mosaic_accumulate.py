@@ -27,11 +27,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from .pallas_mosaic import _unchecked_vma
+from .pallas_mosaic import unchecked_vma
 
 TILE_M, TILE_N, TILE_K = 128, 128, 64  # one compute warpgroup's output tile; the slice of rows per step
 CTA_M, CTA_N = TILE_M, 2 * TILE_N  # one program's output tile: the two warpgroups side by side along H
-STAGES = 3  # 3 x 48 KiB of operands + 64 KiB of accumulator tile fit the H200's 227 KiB
+STAGES = 3  # 3 x 48 KiB of operands + the 64 KiB accumulator tile fit in 227 KiB of shared memory
 DELAY = 1  # steps an operand slot stays held after its MMA is issued (one MMA in flight)
 SNAKE_WIDTH, SNAKE_MINOR = 4, 1  # bands of 4 tiles along V walked along H first (L2 reuse)
 NAME = "fused_kl_grad_weight_mosaic"
@@ -40,7 +40,7 @@ H100_SMS = 132  # programs when the GPU cannot be asked (lowering on a machine w
 
 def fits(acc: jax.Array, g: jax.Array, x: jax.Array) -> bool:
     """Whether this kernel can add ``gᵀ x`` into ``acc``: 16-bit operands and accumulator of one
-    dtype (a float32 accumulator keeps XLA's GEMM), and every dimension a whole number of tiles."""
+    dtype (a float32 accumulator keeps XLA's GEMM), ``V`` and ``H`` whole numbers of output tiles."""
     (rows, v), h = g.shape, x.shape[1]
     same = acc.dtype == g.dtype == x.dtype and g.dtype in (jnp.bfloat16, jnp.float16)
     tiled = v % CTA_M == 0 and h % CTA_N == 0
@@ -129,6 +129,6 @@ def accumulate(acc: jax.Array, g: jax.Array, x: jax.Array) -> jax.Array:
     ref = jax.new_ref(acc)
     mesh = plgpu.Mesh(grid=(_sms(),), grid_names=("sm",), num_threads=3, thread_name="wg", kernel_name=NAME)
     params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
-    with _unchecked_vma():
+    with unchecked_vma():
         pl.kernel(_body, out_type=(), mesh=mesh, compiler_params=params, name=NAME)(g, x, ref)
     return jax.freeze(ref)

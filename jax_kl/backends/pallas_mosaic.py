@@ -114,7 +114,7 @@ def _online(m, s, a):
     return m_new, s * jnp.exp(m - m_new) + jnp.sum(jnp.exp(a - _wide(m_new, a)), axis=1)
 
 
-def _unchecked_vma():
+def unchecked_vma():
     """What ``plgpu.kernel`` runs its kernel under: no varying-manual-axes check inside a
     ``shard_map`` (the kernel's refs carry none)."""
     check = getattr(jax_config, "_check_vma", None)
@@ -182,7 +182,7 @@ def _launch(step, tiled: list, rowvecs: list, inits: list[float], write_grad: bo
 
     # pl.kernel on a Mosaic GPU mesh: plgpu.kernel's batching wrapper does not take a mutable ref.
     mesh = plgpu.Mesh(grid=(blocks, segs), grid_names=("rows", "segs"), kernel_name=NAME)
-    with _unchecked_vma():
+    with unchecked_vma():
         outs = pl.kernel(body, out_type=out_type, mesh=mesh, compiler_params=plgpu.CompilerParams(), name=NAME)(
             *arrays, *rowvecs
         )
