@@ -20,12 +20,13 @@ from .loss import Loss
 @dataclass(frozen=True)
 class ChunkOps:
     """``xp`` (torch or jax.numpy); ``gather(z, at)``: ``z[i, at[i, j]]`` in float32;
-    ``add_at(g, at, delta)``: ``g`` with ``delta[i, j]`` added at ``[i, at[i, j]]`` (in place in
-    torch), returned; ``f32(a)``: ``a`` in float32."""
+    ``set_at(g, at, values, mask)``: ``g`` with ``values[i, j]`` written at ``[i, at[i, j]]``
+    where ``mask[i, j]`` (those positions are distinct within a row; in place in torch),
+    returned; ``f32(a)``: ``a`` in float32."""
 
     xp: Any
     gather: Callable[[Any, Any], Any]
-    add_at: Callable[[Any, Any, Any], Any]
+    set_at: Callable[[Any, Any, Any, Any], Any]
     f32: Callable[[Any], Any]
 
 
@@ -86,6 +87,6 @@ def row_phases(
         soft = rowmath.soft_rows(kind, value_sums, None, loss.beta) if loss.soft else None
     if topk is not None and write_grad:
         live = (coefs[:, 4:5] != 0) | (coefs[:, 5:6] != 0)
-        g = ops.add_at(g, at, xp.where(local & live, g_at - ops.gather(g, at), 0.0))
+        g = ops.set_at(g, at, g_at, local & live)
     labels_ok = True if y is None else (y >= 0) & (y < v_total)
     return g, rowmath.row_losses(stats, keep, labels_ok, soft, weights, loss, v_total, xp)

@@ -26,15 +26,18 @@ from .layout import Layout
 from .teachers import TeacherArrays
 
 
-def _add_at(g: jax.Array, at: jax.Array, delta: jax.Array) -> jax.Array:
-    return g.at[jnp.arange(g.shape[0])[:, None], at].add(delta.astype(g.dtype))
+def _set_at(g: jax.Array, at: jax.Array, values: jax.Array, mask: jax.Array) -> jax.Array:
+    # The masked-out entries go out of range and are dropped, so each kept entry is written once,
+    # rounded once (torch adds the difference: its masked-out entries share column 0).
+    at = jnp.where(mask, at, g.shape[1])
+    return g.at[jnp.arange(g.shape[0])[:, None], at].set(values.astype(g.dtype), mode="drop")
 
 
 # The indexed operations of the per-chunk phases (fused_kl.chunk), in JAX: functional.
 OPS = ChunkOps(
     xp=jnp,
     gather=lambda z, at: jnp.take_along_axis(z, at, axis=1).astype(jnp.float32),
-    add_at=_add_at,
+    set_at=_set_at,
     f32=lambda a: a.astype(jnp.float32),
 )
 

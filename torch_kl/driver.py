@@ -40,7 +40,10 @@ class Needs:
 OPS = ChunkOps(
     xp=torch,
     gather=lambda z, at: z.gather(1, at).float(),
-    add_at=lambda g, at, delta: g.scatter_add_(1, at, delta.to(g.dtype)),
+    # An add of the difference, not a write: the masked-out entries all point at column 0.
+    set_at=lambda g, at, values, mask: g.scatter_add_(
+        1, at, torch.where(mask, values - g.gather(1, at).float(), 0.0).to(g.dtype)
+    ),
     f32=lambda a: a.float(),
 )
 
