@@ -148,3 +148,30 @@ def test_xla_flags_that_fold_the_add_leave_it_to_xla(monkeypatch, flags: str, fo
     if folds or mosaic_missing() is not None:
         assert in_place_grad_weight_of("pallas") is None
     assert in_place_grad_weight_of("pallas_triton") is None and in_place_grad_weight_of("xla") is None
+
+
+def test_in_place_kernels_lower_inside_shard_map() -> None:
+    """The layouts run the kernels inside ``shard_map``, whose varying-axes check the row
+    kernels' outputs would fail: they run with it off, as ``plgpu.kernel`` does; the in-place
+    outputs keep their aliases there."""
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    from jax_kl.backends import mosaic_accumulate
+
+    mesh = Mesh(jax.devices()[:1], ("v",))
+    loss = Loss(teacher=Teacher("probs", 1.0))
+
+    def local(z, target, acc, x):
+        g, sums = _chunk(loss, z, (target, 0), None)
+        return mosaic_accumulate.accumulate(acc, g, x), sums
+
+    specs = (P(None, "v"), P(None, "v"), P("v"), P())
+    f = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=(P("v"), P()))
+    bf16, f32 = jnp.bfloat16, jnp.float32
+    args = [jax.ShapeDtypeStruct((192, 384), bf16), jax.ShapeDtypeStruct((192, 384), f32),
+            jax.ShapeDtypeStruct((384, 512), bf16), jax.ShapeDtypeStruct((192, 512), bf16)]  # fmt: skip
+    lines = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text().splitlines()
+    calls = [line for line in lines if "custom_call @mosaic_gpu" in line]
+    assert len(calls) == 3  # stats, finish over the logits, the GEMM into the accumulator
+    assert "operand_index = 0" in calls[1] and "operand_index = 2" in calls[2]
