@@ -15,6 +15,8 @@ through shared memory and two compute warpgroups each multiply one ``128 x 128``
 ``g``'s slice read transposed (``[64, 128]`` in memory, ``[128, 64]`` to the tensor cores).
 ``V`` and ``H`` must be whole numbers of output tiles (:func:`fits`); the driver uses XLA's
 add elsewhere.
+
+``torch_kl`` needs no counterpart: ``torch.addmm`` into the accumulator is cuBLAS's beta = 1 GEMM.
 """
 
 from __future__ import annotations
