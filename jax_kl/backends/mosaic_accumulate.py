@@ -29,7 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from .pallas_mosaic import unchecked_vma
+from .pallas_mosaic import H100_SMS, unchecked_vma
 
 TILE_M, TILE_N, TILE_K = 128, 128, 64  # one compute warpgroup's output tile; the slice of rows per step
 CTA_M, CTA_N = TILE_M, 2 * TILE_N  # one program's output tile: the two warpgroups side by side along H
@@ -37,7 +37,6 @@ STAGES = 3  # 3 x 48 KiB of operands + the 64 KiB accumulator tile fit in 227 Ki
 DELAY = 1  # steps an operand slot stays held after its MMA is issued (one MMA in flight)
 SNAKE_WIDTH, SNAKE_MINOR = 4, 1  # bands of 4 tiles along V walked along H first (L2 reuse)
 NAME = "fused_kl_grad_weight_mosaic"
-H100_SMS = 132  # programs when the GPU cannot be asked (lowering on a machine without one)
 
 
 def fits(acc: jax.Array, g: jax.Array, x: jax.Array) -> bool:
@@ -50,6 +49,7 @@ def fits(acc: jax.Array, g: jax.Array, x: jax.Array) -> bool:
 
 
 def _sms() -> int:
+    """One program per multiprocessor; an H100's count where no GPU can be asked (lowering on CPU)."""
     device = jax.devices()[0]
     return (getattr(device, "core_count", None) if device.platform == "gpu" else None) or H100_SMS
 
