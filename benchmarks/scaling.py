@@ -75,6 +75,10 @@ def rows_of(framework: str, m: dict[str, Any], world: int, n: int) -> list[dict[
         dict(framework=framework, layout=f"vocabulary sharded over {world}", ms=m["vocab_ms"],
              x_one=m["vocab_ms"] / one, grad_w_gib=m["grad_weight_gib_vocab"], goal=GOALS["vocab"]),
     ]  # fmt: skip
+    if "rows_local_ms" in m:
+        rows.insert(2, dict(framework=framework, layout="  inside shard_map, grad_weight per device (as DDP)",
+                            ms=m["rows_local_ms"], x_one=m["rows_local_ms"] / one,
+                            grad_w_gib=m["grad_weight_gib_one_device"], goal=GOALS["rows"]))  # fmt: skip
     if "vocab_local_ms" in m:
         local = m["vocab_local_ms"]
         rows.append(dict(framework=framework, layout="  its local work, no collectives", ms=local,
@@ -82,15 +86,22 @@ def rows_of(framework: str, m: dict[str, Any], world: int, n: int) -> list[dict[
     return rows
 
 
-def collectives(m: dict[str, Any], n: int) -> str:
-    """What the vocabulary layout's collectives cost, per call and per row."""
-    grad_x = m["all_reduce_grad_x_ms"]
-    stats = m["all_reduce_stats_ms"]
-    return (
-        f"all-reduce of grad_x [{n}, H]: {grad_x:.3f} ms = {grad_x * 1e6 / n:.1f} ns/row; "
-        f"of one chunk's statistics [{m['stats_rows']}, 3]: {stats * 1e3:.1f} µs "
-        f"(three per chunk, latency-bound)"
-    )
+def collectives(results: dict[str, dict[str, Any]], n: int) -> str:
+    """What the collectives cost: the vocabulary layout's per call and per row, the rows layout's
+    all-reduce of ``grad_weight`` (per step, whatever N)."""
+    lines = []
+    if "torch" in results:
+        m = results["torch"]
+        grad_x, stats = m["all_reduce_grad_x_ms"], m["all_reduce_stats_ms"]
+        lines.append(f"vocabulary sharded: all-reduce of grad_x [{n}, H]: {grad_x:.3f} ms = {grad_x * 1e6 / n:.1f} "
+                     f"ns/row; of one chunk's statistics [{m['stats_rows']}, 3]: {stats * 1e3:.1f} µs "
+                     "(three per chunk, latency-bound)")  # fmt: skip
+    for framework, m in results.items():
+        if "all_reduce_grad_weight_ms" in m:
+            who = "left to DDP/FSDP" if framework == "torch" else "inside the global-array rows layout"
+            lines.append(f"rows sharded: all-reduce of grad_weight ({m['grad_weight_gib_one_device']:.3g} GiB), "
+                         f"{framework}: {m['all_reduce_grad_weight_ms']:.3f} ms ({who})")  # fmt: skip
+    return "\n".join(lines)
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
@@ -157,8 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     bar.close()
     title = f"{args.head}, {args.n} rows per device, {args.world} {'GPUs' if on_gpu else 'CPU ranks'}"
     text = _table(rows)
-    if "torch" in results:
-        text += "\n\n" + collectives(results["torch"], args.n)
+    if notes := collectives(results, args.n):
+        text += "\n\n" + notes
     print(title + "\n" + text)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "results.json").write_text(json.dumps({"title": title, "rows": rows, "raw": results}, indent=1))

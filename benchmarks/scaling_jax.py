@@ -1,7 +1,11 @@
 """``python -m benchmarks.scaling``'s JAX measurement, in its own process (on CPU the host
 devices must be forced before JAX starts): ``jax_kl`` under ``jit(grad)`` on one device, then on a
 mesh of ``world`` devices with the rows sharded (``batch_axis``, N rows per device) and with the
-vocabulary sharded (``vocab_axis``, N rows, a ``V / world`` slice of the head per device)."""
+vocabulary sharded (``vocab_axis``, N rows, a ``V / world`` slice of the head per device).
+
+With global arrays the gradient of the replicated head is replicated, so the rows layout includes
+the all-reduce of ``grad_weight``; the same layout inside the caller's ``shard_map`` leaves each
+device its own ``grad_weight``, as torch_kl does with DDP (timed too, and the all-reduce alone)."""
 
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -49,15 +54,27 @@ def measure(world: int, n: int, head: str, reps: int) -> dict[str, float]:
     def grads(**layout):
         return jax.jit(jax.grad(lambda x, w, t: jax_kl.fused_linear_kl_div(x, w, t, **layout), argnums=(0, 1)))
 
+    def inside_grads(x, w, t):  # per-device gradients, reduced by the caller (as DDP does)
+        f = jax.grad(lambda x, w, t: jax_kl.fused_linear_kl_div(x, w, t, batch_axis="d"), argnums=(0, 1))
+        return jax.shard_map(f, mesh=mesh, in_specs=(P("d", None), P(None, None), P("d", None)),
+                             out_specs=(P("d", None), P("d", None)), check_vma=False)(x, w, t)  # fmt: skip
+
+    def psum(a):
+        return jax.shard_map(lambda a: lax.psum(a, "d"), mesh=mesh, in_specs=P("d", None), out_specs=P(None, None),
+                             check_vma=False)(a)  # fmt: skip
+
     def put(a, spec):
         return jax.device_put(a, NamedSharding(mesh, spec))
 
     one = jax.device_put((x[:n], weight, teacher[:n]), devices[0])
     rows = (put(x, P("d", None)), put(weight, P(None, None)), put(teacher, P("d", None)))
     vocab = (put(x[:n], P(None, None)), put(weight, P("d", None)), put(teacher[:n], P(None, "d")))
+    per_device_grads = put(jnp.tile(weight, (world, 1)), P("d", None))  # one [V, H] per device
     return {
         "one_device_ms": _median_ms(grads(), one, reps),
         "rows_ms": _median_ms(grads(mesh=mesh, batch_axis="d"), rows, reps),
+        "rows_local_ms": _median_ms(jax.jit(inside_grads), rows, reps),
+        "all_reduce_grad_weight_ms": _median_ms(jax.jit(psum), (per_device_grads,), reps),
         "vocab_ms": _median_ms(grads(mesh=mesh, vocab_axis="d"), vocab, reps),
         "grad_weight_gib_one_device": v * h * jnp.dtype(dtype).itemsize / 2**30,
         "grad_weight_gib_vocab": v // world * h * jnp.dtype(dtype).itemsize / 2**30,

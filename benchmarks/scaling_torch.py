@@ -77,6 +77,8 @@ def measure(rank: int, world: int, n: int, head: str, reps: int) -> dict[str, fl
         "vocab_ms": _median_ms(step(x_shared, w_slice, t_slice, vocab_group=group), reps, device),
         "all_reduce_grad_x_ms": _median_ms(lambda: dist.all_reduce(grad_x), reps, device),
         "all_reduce_stats_ms": _median_ms(lambda: dist.all_reduce(stats), reps, device),
+        # Rows sharded: what DDP then adds to reduce grad_weight (torch_kl leaves it to DDP/FSDP).
+        "all_reduce_grad_weight_ms": _median_ms(lambda: dist.all_reduce(weight), reps, device),
         "stats_rows": stats.shape[0],
         "grad_weight_gib_one_device": v * h * weight.element_size() / 2**30,
         "grad_weight_gib_vocab": share * h * weight.element_size() / 2**30,

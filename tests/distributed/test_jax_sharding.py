@@ -23,12 +23,16 @@ ROOT = HERE.parent.parent
 TIMEOUT_S = 300
 
 
-def _run_devices(out: Path) -> dict[str, str | None]:
-    env = {
-        **os.environ,
+def _run_devices(out: Path, env: dict[str, str] | None = None) -> dict[str, str | None]:
+    """Every case's result; ``env`` replaces the CPU settings (the GPU run: real devices, a 2-device mesh)."""
+    cpu = {
         "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4".strip(),
         "JAX_PLATFORMS": "cpu",
         "TRITON_INTERPRET": "1",
+    }
+    env = {
+        **os.environ,
+        **(cpu if env is None else env),
         "PYTHONPATH": os.pathsep.join([str(HERE), str(ROOT), str(ROOT / "tests")]),
     }
     cmd = [sys.executable, str(HERE / "jax_worker.py"), str(out)]

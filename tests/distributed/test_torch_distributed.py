@@ -26,12 +26,16 @@ WORLD = 2
 TIMEOUT_S = 240
 
 
-def _run_ranks(out: Path, script: str = "torch_worker.py", world: int = WORLD) -> list[dict[str, str | None]]:
+def _run_ranks(
+    out: Path, script: str = "torch_worker.py", world: int = WORLD, env: dict[str, str] | None = None
+) -> list[dict[str, str | None]]:
+    """Every case's result on each of ``world`` ranks; ``env`` overrides (the GPU run: NCCL, compiled kernels)."""
     env = {
         **os.environ,
         "TRITON_INTERPRET": "1",
         "OMP_NUM_THREADS": "1",
         "PYTHONPATH": os.pathsep.join([str(HERE), str(ROOT), str(ROOT / "tests")]),
+        **(env or {}),
     }
     store = out / "store"
     procs = [
