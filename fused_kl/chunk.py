@@ -22,12 +22,15 @@ class ChunkOps:
     """``xp`` (torch or jax.numpy); ``gather(z, at)``: ``z[i, at[i, j]]`` in float32;
     ``set_at(g, at, values, mask)``: ``g`` with ``values[i, j]`` written at ``[i, at[i, j]]``
     where ``mask[i, j]`` (those positions are distinct within a row; in place in torch),
-    returned; ``f32(a)``: ``a`` in float32."""
+    returned; ``f32(a)``: ``a`` in float32; ``settle(z, values)``: both, ``values`` made before
+    ``finish`` overwrites ``z`` (JAX: else XLA recomputes them from ``z`` inside the scatter and
+    keeps a copy of ``z`` for it)."""
 
     xp: Any
     gather: Callable[[Any, Any], Any]
     set_at: Callable[[Any, Any, Any, Any], Any]
     f32: Callable[[Any], Any]
+    settle: Callable[[Any, Any], tuple[Any, Any]]
 
 
 def local_labels(y: Any | None, v0: Any, loss: Loss) -> Any | None:
@@ -78,6 +81,8 @@ def row_phases(
         # values went unchecked) makes its row's loss NaN, as the contract says.
         soft = xp.where(((idx >= 0) & (idx < v_total)).all(-1), soft, float("nan"))
     coefs = rowmath.coefficients(stats, keep, value_sums, topk_const, weights, loss, xp)
+    if topk is not None and write_grad:
+        z, g_at = ops.settle(z, g_at)
     g = partial = None
     if write_grad or kind == "forward":
         g, partial = phases.finish(z, t, y_local, coefs, loss, v_total, tile, write_grad)
