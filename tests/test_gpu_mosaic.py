@@ -125,3 +125,25 @@ def test_chunks_add_grad_weight_in_place_like_xla(name: str, dtype: torch.dtype)
     f = jax.jit(lambda x, w, t: jax.grad(lambda w: jax_kl.fused_linear_kl_div(x, w, t, chunk_size=256))(w))
     text = f.lower(*(jax.dlpack.from_dlpack(a) for a in inputs[:3])).as_text()
     assert text.count("fused_kl_grad_weight_mosaic") >= 3
+
+
+def test_topk_teacher_holds_no_second_logits_buffer() -> None:
+    """The top-k entries of ``dL/dz`` are settled before ``finish`` overwrites the logits in place:
+    XLA keeps no copy of the chunk's logits for the scatter, so a top-k teacher's temporaries are
+    no larger than a dense teacher's (one ``[chunk, V]`` buffer)."""
+    n, h, v, k = 1024, 256, 16384, 16
+    keys = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(keys[0], (n, h), jnp.bfloat16)
+    w = (jax.random.normal(keys[1], (v, h)) * h**-0.5).astype(jnp.bfloat16)
+    idx = ((jnp.arange(n)[:, None] * 7919 + jnp.arange(k) * (v // k)) % v).astype(jnp.int32)  # distinct
+    log_p = jax.nn.log_softmax(jax.random.normal(keys[2], (n, k)), -1) - 1.0
+    dense = jax.nn.softmax(jax.random.normal(keys[2], (n, v)), -1).astype(jnp.bfloat16)
+
+    def temporaries(loss) -> int:
+        return jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, w).compile().memory_analysis().temp_size_in_bytes
+
+    topk = temporaries(lambda x, w: jax_kl.fused_linear_kl_div(
+        x, w, log_p, target_format="topk_log_probs", target_indices=idx, chunk_size=512))  # fmt: skip
+    probs = temporaries(lambda x, w: jax_kl.fused_linear_kl_div(x, w, dense, chunk_size=512))
+    logits_chunk = 512 * v * 2
+    assert topk < probs + logits_chunk // 2, (topk, probs, logits_chunk)
