@@ -21,7 +21,8 @@ from typing import Any
 import numpy as np
 
 # Sizes small enough that the bridges, interpreted on CPU (about 4 ms per row for the Triton
-# interpreter), keep the whole demo well under a minute on two cores.
+# interpreter), keep the whole demo to a minute or two on two cores (the interpreted
+# jax→triton bridge takes most of it).
 ROWS, D_IN, HIDDEN, VOCAB, BATCH = 4096, 64, 64, 512, 16
 TEACHER_HIDDEN = 256  # wider than the student, so the KL cannot reach 0
 TEACHER_SCALE = 8.0  # logit scale of the teacher: peaked, but not one-hot, soft targets
