@@ -66,23 +66,22 @@ def _run_jax(args: argparse.Namespace, env: dict[str, str], folder: Path) -> dic
 
 
 def rows_of(framework: str, m: dict[str, Any], world: int, n: int) -> list[dict[str, Any]]:
-    """The table's rows of one framework's measurement ``m``."""
-    one = m["one_device_ms"]
-    rows = [
-        dict(framework=framework, layout="one device", ms=one, x_one=1.0, grad_w_gib=m["grad_weight_gib_one_device"]),
-        dict(framework=framework, layout=f"rows sharded, {n} rows/device", ms=m["rows_ms"],
-             x_one=m["rows_ms"] / one, grad_w_gib=m["grad_weight_gib_one_device"], goal=GOALS["rows"]),
-        dict(framework=framework, layout=f"vocabulary sharded over {world}", ms=m["vocab_ms"],
-             x_one=m["vocab_ms"] / one, grad_w_gib=m["grad_weight_gib_vocab"], goal=GOALS["vocab"]),
+    """The table's rows of one framework's measurement ``m``, in order; a measurement the
+    framework does not make is left out."""
+    layouts = [  # (key in m, layout, grad_weight per device, goal)
+        ("one_device_ms", "one device", "grad_weight_gib_one_device", None),
+        ("rows_ms", f"rows sharded, {n} rows/device", "grad_weight_gib_one_device", GOALS["rows"]),
+        ("rows_local_ms", "  inside shard_map, grad_weight per device (as DDP)", "grad_weight_gib_one_device",
+         GOALS["rows"]),
+        ("vocab_ms", f"vocabulary sharded over {world}", "grad_weight_gib_vocab", GOALS["vocab"]),
+        ("vocab_local_ms", "  its local work, no collectives", "grad_weight_gib_vocab", None),
     ]  # fmt: skip
-    if "rows_local_ms" in m:
-        rows.insert(2, dict(framework=framework, layout="  inside shard_map, grad_weight per device (as DDP)",
-                            ms=m["rows_local_ms"], x_one=m["rows_local_ms"] / one,
-                            grad_w_gib=m["grad_weight_gib_one_device"], goal=GOALS["rows"]))  # fmt: skip
-    if "vocab_local_ms" in m:
-        local = m["vocab_local_ms"]
-        rows.append(dict(framework=framework, layout="  its local work, no collectives", ms=local,
-                         x_one=local / one, grad_w_gib=m["grad_weight_gib_vocab"]))  # fmt: skip
+    rows = []
+    for key, layout, grad_w, goal in layouts:
+        if key in m:
+            row = dict(framework=framework, layout=layout, ms=m[key], x_one=m[key] / m["one_device_ms"],
+                       grad_w_gib=m[grad_w])  # fmt: skip
+            rows.append(row if goal is None else {**row, "goal": goal})
     return rows
 
 

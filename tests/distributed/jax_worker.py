@@ -31,9 +31,15 @@ ARRAYS = ("x", "weight", "bias", "target", "labels", "teacher_weight", "teacher_
 UPSTREAM = 2.5  # the loss enters a larger function: every gradient scales by it
 
 
+def mesh_shape(text: str) -> tuple[int, int]:
+    """``"B,V"`` (``FUSED_KL_MESH``) as the mesh's shape."""
+    b, v = (int(d) for d in text.split(","))
+    return b, v
+
+
 def _mesh() -> Mesh:
     """A ``("b", "v")`` mesh, 2 x 2 unless ``FUSED_KL_MESH`` says another shape (e.g. "1,2" on 2 GPUs)."""
-    shape = tuple(int(d) for d in os.environ.get("FUSED_KL_MESH", "2,2").split(","))
+    shape = mesh_shape(os.environ.get("FUSED_KL_MESH", "2,2"))
     return Mesh(np.array(jax.devices()[: shape[0] * shape[1]]).reshape(shape), ("b", "v"))
 
 

@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 import pytest
+from jax_worker import mesh_shape
 from test_jax_sharding import _run_devices
 from test_torch_distributed import _run_ranks
 
@@ -39,7 +40,8 @@ def test_torch_nccl(tmp_path: Path, script: str, world: int) -> None:
 
 @pytest.mark.parametrize("mesh", ["2,1", "1,2", "2,2"])
 def test_jax_gpu_mesh(tmp_path: Path, mesh: str) -> None:
-    size = int(mesh[0]) * int(mesh[2])
+    b, v = mesh_shape(mesh)
+    size = b * v
     if _gpus() < size:
         pytest.skip(f"a {mesh} mesh needs {size} GPUs, this machine has {_gpus()}")
     # Full float32 GEMMs (not TF32), so the layouts are compared as tightly as on the CPU.
