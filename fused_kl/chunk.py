@@ -38,6 +38,12 @@ def local_labels(y: Any | None, v0: Any, loss: Loss) -> Any | None:
     return y - v0 if loss.hard else None
 
 
+def stats_teacher(t: Any | None, loss: Loss) -> Any | None:
+    """The dense teacher chunk if the ``stats`` phase needs it (``Loss.stats_read_teacher``), else
+    None: one pass over the teacher fewer, and the logits GEMM can make the statistics."""
+    return t if loss.stats_read_teacher else None
+
+
 def row_phases(
     z: Any,
     t: Any,
@@ -61,7 +67,7 @@ def row_phases(
     xp = ops.xp
     y_local = local_labels(y, v0, loss)
     if local_stats is None:
-        local_stats = phases.stats(z, t, y_local, loss, tile)
+        local_stats = phases.stats(z, stats_teacher(t, loss), y_local, loss, tile)
     stats = layout.combine_stats(local_stats)
     kind = loss.kind
     value_sums = None

@@ -75,6 +75,14 @@ class Loss:
         return "reverse" if self.beta == 1.0 else "jsd"
 
     @property
+    def stats_read_teacher(self) -> bool:
+        """Whether the ``stats`` phase reads a dense teacher: the log-sum-exp of teacher logits,
+        or the forward KL's mass ``K = sum p``. Reverse KL and JSD on probabilities need neither."""
+        if self.kind == "coef":
+            return False
+        return self.teacher.has_logits or self.kind == "forward"  # type: ignore[union-attr]
+
+    @property
     def separate_hard_lse(self) -> bool:
         """The hard term's log-sum-exp (temperature 1) differs from the soft term's."""
         return self.hard and self.temperature != 1.0

@@ -158,6 +158,24 @@ def test_loss_only(backend: str) -> None:
     assert_matches(out, inp, **options)
 
 
+@pytest.mark.parametrize(
+    ("options", "reads"), [({}, True), ({"beta": 1.0}, False), ({"beta": 0.5, "weight_hard_loss": 0.5}, False)]
+)
+def test_the_stats_phase_reads_probabilities_only_for_the_forward_kl(monkeypatch, options, reads) -> None:
+    """Reverse KL and JSD need neither the teacher's mass nor its log-sum-exp: one read of the
+    teacher fewer (and in torch_kl's Triton backend the logits GEMM makes the statistics)."""
+    from torch_kl.backends import torch_phases
+
+    seen = []
+    real = torch_phases.stats
+    monkeypatch.setattr(torch_phases, "stats", lambda z, t, *rest: seen.append(t is not None) or real(z, t, *rest))
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(12, 5, generator=gen), torch.randn(17, 5, generator=gen)
+    target = torch.softmax(torch.randn(12, 17, generator=gen), -1)
+    torch_kl.fused_linear_kl_div(x, w, target, torch.randint(0, 17, (12,), generator=gen), backend="torch", **options)
+    assert seen == [reads]
+
+
 # fused_kl.rowmath.topk takes the student's mass off the teacher's top-k as q_t = 1 - Q (the contract's
 # formula) in float32: once the student puts all but ~1e-6 of its mass on the top-k tokens, q_t is
 # rounding noise, and so are the tail term p_t log(p_t / q_t) and r = p_t / q_t in dL/dz.

@@ -1,7 +1,8 @@
 """The logits GEMM with the ``stats`` phase in its epilogue (``torch_kl/backends/triton_logits.py``)
 against ``x @ W^T`` and the ``stats`` kernel run on the same logits, in Triton's interpreter
-(float16 takes the TMA path, bfloat16 the pointer path) and on the GPU. It serves chunks
-without a dense teacher: the cross-entropy and top-k teachers."""
+(float16 takes the TMA path, bfloat16 the pointer path) and on the GPU. It serves the chunks whose
+statistics read no dense teacher: the cross-entropy, top-k teachers, reverse KL and JSD on
+probabilities."""
 
 from __future__ import annotations
 
@@ -88,6 +89,16 @@ def test_a_dense_teacher_chunk_is_left_to_the_stats_kernel():
     t = torch.softmax(torch.randn(8, 88), -1).half()
     assert triton_logits.logits_with_stats(x, w, None, t, None, Loss(teacher=Teacher("probs", 1.0)), z) is None
     assert not z.any()
+
+
+@pytest.mark.parametrize(
+    ("fmt", "beta", "reads"),
+    [("probs", 0.0, True), ("log_probs", 0.0, True), ("logits", 0.5, True), ("hidden", 1.0, True),
+     ("probs", 1.0, False), ("probs", 0.5, False), ("log_probs", 1.0, False), ("topk_log_probs", 0.0, False)],
+)  # fmt: skip
+def test_which_losses_read_the_teacher_in_their_statistics(fmt, beta, reads):
+    assert Loss(teacher=Teacher(fmt, 1.0), beta=beta).stats_read_teacher is reads
+    assert not Loss(teacher=Teacher(fmt, 1.0), beta=beta, weight_soft=0.0, weight_hard=1.0).stats_read_teacher
 
 
 def test_only_the_triton_backend_has_it():

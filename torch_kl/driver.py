@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from fused_kl import rowmath
-from fused_kl.chunk import ChunkOps, local_labels, row_phases
+from fused_kl.chunk import ChunkOps, local_labels, row_phases, stats_teacher
 from fused_kl.loss import Loss
 from fused_kl.options import RunOptions
 from fused_kl.plan import plan_chunks
@@ -161,7 +161,9 @@ def forward(
         xc, z = x[start:stop], buf[: stop - start]
         t = teachers.dense_chunk(loss, teacher, start, stop, t_buf)
         y = None if labels is None else labels[start:stop]
-        stats = None if fused_logits is None else fused_logits(xc, weight, bias, t, local_labels(y, v0, loss), loss, z)
+        stats = None
+        if fused_logits is not None:
+            stats = fused_logits(xc, weight, bias, stats_teacher(t, loss), local_labels(y, v0, loss), loss, z)
         if stats is None:  # the backend has no fused logits GEMM, or not for these operands
             if bias is None:
                 torch.mm(xc, wt, out=z)

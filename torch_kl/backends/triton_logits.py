@@ -7,9 +7,11 @@ f(z)``) and stores it per column tile; :func:`logits_with_stats` combines the ti
 vocabulary shards. The statistics are those of the logits as stored (rounded to their dtype),
 the values the later phases read.
 
-It serves the chunks without a dense teacher (the cross-entropy, top-k teachers). With one,
-the epilogue would also read the teacher's tile after the GEMM's main loop, exposed, and on the
-H200 that cost as much as the ``stats`` kernel's pass saves (benchmarks/RESULTS.md).
+It serves every chunk whose ``stats`` phase reads no dense teacher (``Loss.stats_read_teacher``):
+the cross-entropy, top-k teachers, and reverse KL and JSD on probabilities. Where the statistics
+need the teacher, the epilogue would read the teacher's tile after the GEMM's main loop,
+exposed, and on the H200 that cost as much as the ``stats`` kernel's pass saves; the teacher
+head's log-sum-exp in its own GEMM's epilogue was a wash too (benchmarks/RESULTS.md).
 
 On Hopper the tiles move by TMA (tensor descriptors); elsewhere (the CPU interpreter's tests)
 by masked pointer loads. Inputs the kernel does not take get ``None`` back, and the caller runs
@@ -143,7 +145,8 @@ def logits_with_stats(
 ) -> torch.Tensor | None:
     """Write the chunk's logits ``x W^T (+ bias)`` into ``z`` and return their ``STATS`` (local
     to this vocabulary slice; ``y`` the local labels), or ``None`` without touching ``z`` when
-    the fused GEMM does not take these operands or the chunk has a dense teacher ``t``."""
+    the fused GEMM does not take these operands or the ``stats`` phase must read a dense teacher
+    ``t`` (``fused_kl.chunk.stats_teacher``)."""
     if t is not None or not _fits(x, weight, bias, z):
         return None
     (m, k), v = x.shape, weight.shape[0]
