@@ -30,6 +30,9 @@ CASES = [  # (loss, hard term, bias)
     (Loss(teacher=None, weight_soft=0.0, weight_hard=1.0, label_smoothing=0.1, softcap=3.0), True, False),
     (Loss(teacher=TOPK, temperature=2.0, weight_hard=0.5), True, True),
     (Loss(teacher=TOPK, softcap=5.0, logit_scale=0.5), False, False),
+    # uncapped: the scale folded into the epilogue's exponent, the sum of f(z) and both log-sum-exps
+    (Loss(teacher=None, weight_soft=0.0, weight_hard=1.0, logit_scale=0.7, label_smoothing=0.2), True, False),
+    (Loss(teacher=TOPK, temperature=1.5, logit_scale=1.3, weight_hard=0.5), True, False),
 ]
 
 

@@ -55,9 +55,12 @@ def _grouped(tile, num_m, num_n, GROUP: tl.constexpr):
 
 
 @triton.jit
-def _tile_lse(a):
-    m = tl.max(a, axis=1)
-    return m + tl.log(tl.sum(tl.exp(a - m[:, None]), axis=1))
+def _tile_lse(f, c):
+    """Each row's log-sum-exp of ``c * f`` (``c > 0``), with one FMA and one ``exp2`` an element:
+    the epilogue's arithmetic is exposed between two tiles' MMAs (benchmarks/RESULTS.md)."""
+    m = tl.max(f, axis=1)
+    k = c * 1.4426950408889634  # log2(e)
+    return c * m + tl.log2(tl.sum(tl.exp2(f * k - (m * k)[:, None]), axis=1)) * 0.6931471805599453
 
 
 @triton.jit
@@ -98,14 +101,19 @@ def _logits_kernel(
             tl.store(z + rows[:, None].to(tl.int64) * V + cols[None, :], zq,
                      mask=(rows[:, None] < M) & (cols[None, :] < V))  # fmt: skip
         valid = (cols < V)[None, :]
-        f = _transform(zq.to(tl.float32), scale, cap, CAPPED)
+        if CAPPED:
+            f = tl.where(valid, _transform(zq.to(tl.float32), scale, cap, CAPPED), -float("inf"))
+            c = 1.0
+        else:  # f(z) = scale * z: the scale joins the exponent's factor
+            f = tl.where(valid, zq.to(tl.float32), -float("inf"))
+            c = scale
         out = part_ptr + pn * M + rows
         live = rows < M
-        tl.store(out, _tile_lse(tl.where(valid, f * inv_t, -float("inf"))), mask=live)
+        tl.store(out, _tile_lse(f, c * inv_t), mask=live)
         if HARD_LSE:
-            tl.store(out + part_stride, _tile_lse(tl.where(valid, f, -float("inf"))), mask=live)
+            tl.store(out + part_stride, _tile_lse(f, c), mask=live)
         if HARD:
-            tl.store(out + 2 * part_stride, tl.sum(tl.where(valid, f, 0.0), axis=1), mask=live)
+            tl.store(out + 2 * part_stride, tl.sum(tl.where(valid, f, 0.0), axis=1) * c, mask=live)
 
 
 @functools.cache
