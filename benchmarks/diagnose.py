@@ -1,4 +1,4 @@
-"""Diagnostics behind benchmarks/RESULTS.md's analysis (GPU only): the row kernel alone on one
+"""Diagnostics behind benchmarks/RESULTS-2026-12-01.md's analysis (GPU only): the row kernel alone on one
 chunk at several tile shapes, and ``torch_kl`` at several chunk sizes, each as a ratio to the
 three-GEMM floor timed just before and after it (the card's clock drifts with its temperature).
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 # Rows per chunk are chosen so that one chunk of logits takes about this many bytes:
 # large enough that the three GEMMs of a chunk run near their peak rate, small enough that
-# the chunk buffer stays far below the gradients' size (see benchmarks/RESULTS.md).
+# the chunk buffer stays far below the gradients' size (see benchmarks/RESULTS-2026-12-01.md).
 CHUNK_BYTES = 768 << 20
 # GEMM-friendly granularity of the row count.
 ROW_MULTIPLE = 256

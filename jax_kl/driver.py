@@ -51,7 +51,7 @@ def _add_grad_weight(acc: jax.Array | None, g: jax.Array, xc: jax.Array, dtype, 
     """``acc + gᵀ x``. XLA (0.11, H200) folds the add into the GEMM (beta = 1) only with its
     Triton GEMMs off (``xla_gpu_enable_triton_gemm=False``, docs/choosing.md); otherwise each
     chunk after the first costs a ``[V, H]`` product buffer and an add pass
-    (benchmarks/RESULTS.md). Hence the in-place kernel of the Mosaic GPU backends."""
+    (benchmarks/RESULTS-2026-12-01.md). Hence the in-place kernel of the Mosaic GPU backends."""
     if acc is not None and in_place is not None and in_place.fits(acc, g, xc):
         return in_place.accumulate(acc, g, xc)
     return _add(acc, dot(g, xc, (0, 0), dtype))

@@ -125,7 +125,7 @@ def phases_of(name: str) -> ModuleType:
 def xla_folds_the_add() -> bool:
     """Whether ``XLA_FLAGS`` turns XLA's Triton GEMMs off, so that XLA itself folds ``acc + gᵀ x``
     into a cuBLAS GEMM (beta = 1), a few per cent faster than ``mosaic_accumulate`` on the H200
-    (benchmarks/RESULTS.md). Options given to ``jit(..., compiler_options=)`` are not visible here."""
+    (benchmarks/RESULTS-2026-12-01.md). Options given to ``jit(..., compiler_options=)`` are not visible here."""
     flags = os.environ.get("XLA_FLAGS", "").lower()
     return bool(re.search(r"--xla_gpu_enable_triton_gemm=(false|0)\b", flags))
 

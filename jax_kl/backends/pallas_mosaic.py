@@ -42,7 +42,7 @@ TV = {False: 128, True: 64}
 H100_SMS = 132  # multiprocessors of an H100/H200
 # At least eight programs per multiprocessor of an H100/H200, two tiles in flight per program:
 # the fastest of 64/128/256 columns, 2-4 stages and 2, 8 or 16 programs per multiprocessor on
-# the H200 (benchmarks/RESULTS.md).
+# the H200 (benchmarks/RESULTS-2026-12-01.md).
 MIN_PROGRAMS = 8 * H100_SMS
 STAGES = 2
 LOWEST = -3.0e38  # running maxima start here, not at -inf (see pallas_triton.LOWEST)

@@ -1,6 +1,6 @@
 """The ``"pallas"`` backend's row phases: the Mosaic GPU kernels (``pallas_mosaic``) where they
 run — a Hopper or newer GPU, jax >= 0.11, a chunk the TMA can move; there they are at least as
-fast as the Triton lowering in every mode (benchmarks/RESULTS.md) — and the Triton-lowered
+fast as the Triton lowering in every mode (benchmarks/RESULTS-2026-12-01.md) — and the Triton-lowered
 kernels (``pallas_triton``) everywhere else, interpret mode on CPU included. Both compute the
 same phases; the choice is made per chunk, at trace time."""
 

@@ -37,7 +37,7 @@ from fused_kl.loss import Loss
 
 from .triton_phases import _common, _transform
 
-# Tile shape measured on the H200 (benchmarks/RESULTS.md): a 128 x 256 tile, 3 stages and one
+# Tile shape measured on the H200 (benchmarks/RESULTS-2026-12-01.md): a 128 x 256 tile, 3 stages and one
 # program per SM run the chunk's logits GEMM within 3 % of cuBLAS with the epilogue included.
 GPU_CONFIG = dict(BM=128, BN=256, BK=64, GROUP=8, num_warps=8, num_stages=3)
 INTERPRET_CONFIG = dict(BM=16, BN=32, BK=16, GROUP=2, num_warps=4, num_stages=1)
