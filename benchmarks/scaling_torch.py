@@ -93,11 +93,14 @@ def main() -> None:
     parser.add_argument("--store", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    store = dist.FileStore(str(args.store), args.world)
     if torch.cuda.is_available():
         torch.cuda.set_device(args.rank)
-    store = dist.FileStore(str(args.store), args.world)
-    dist.init_process_group(backend, store=store, rank=args.rank, world_size=args.world)
+        # The rank's GPU named up front: NCCL then need not guess it (and warn) at the barrier.
+        device = torch.device("cuda", args.rank)
+        dist.init_process_group("nccl", store=store, rank=args.rank, world_size=args.world, device_id=device)
+    else:
+        dist.init_process_group("gloo", store=store, rank=args.rank, world_size=args.world)
     try:
         result = measure(args.rank, args.world, args.n, args.head, args.reps)
         args.out.write_text(json.dumps(result))

@@ -72,10 +72,14 @@ def problem(
 
 def init(rank: int, world: int, store: str) -> None:
     """gloo on the CPU, or NCCL with one GPU a rank where ``DEVICE`` is CUDA."""
-    if DEVICE.type == "cuda":
-        torch.cuda.set_device(rank)
-    backend = "nccl" if DEVICE.type == "cuda" else "gloo"
-    torch.distributed.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world)
+    if DEVICE.type != "cuda":
+        torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+        return
+    torch.cuda.set_device(rank)
+    # The rank's GPU named up front: NCCL then need not guess it (and warn) at the first barrier.
+    torch.distributed.init_process_group(
+        "nccl", init_method=f"file://{store}", rank=rank, world_size=world, device_id=torch.device("cuda", rank)
+    )
 
 
 def run(p: dict, options: dict, *, fn=None, **layout) -> tuple[float, dict[str, torch.Tensor]]:
