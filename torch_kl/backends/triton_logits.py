@@ -37,8 +37,9 @@ from fused_kl.loss import Loss
 
 from .triton_phases import _common, _transform
 
-# Tile shape measured on the H200 (benchmarks/RESULTS-2026-12-01.md): a 128 x 256 tile, 3 stages and one
-# program per SM run the chunk's logits GEMM within 3 % of cuBLAS with the epilogue included.
+# Tile shape measured on the H200 (benchmarks/RESULTS-2026-12-01.md, RESULTS.md): a 128 x 256 tile,
+# 3 stages and one program per SM run the chunk's logits GEMM within 1 % of cuBLAS; the statistics
+# epilogue adds 3-6 % more, by run (split stores, 4 stages or wider groups did not help).
 GPU_CONFIG = dict(BM=128, BN=256, BK=64, GROUP=8, num_warps=8, num_stages=3)
 INTERPRET_CONFIG = dict(BM=16, BN=32, BK=16, GROUP=2, num_warps=4, num_stages=1)
 PARTS = 3  # per column tile: lse, lse_hard, sum f
