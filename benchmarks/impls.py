@@ -164,22 +164,26 @@ def _torch_kl(backend: str) -> Impl:
     return Impl("torch", bridged)
 
 
-def _torch_kl_cublas_logits(inputs: Inputs) -> Prepared:
-    """The Triton backend as it runs where its fused logits GEMM does not: cuBLAS logits, then
-    the ``stats`` kernel (the comparison that prices the fusion)."""
-    from torch_kl import backends
+def _torch_kl_without(**off: bool) -> Callable[[Inputs], Prepared]:
+    """The Triton backend with some of its fusions off (``Backend`` fields set False): what
+    they save, priced in one run."""
 
-    prepared = _torch_kl("triton").make(inputs)
-    fused = backends.REGISTRY["triton"]
+    def make(inputs: Inputs) -> Prepared:
+        from torch_kl import backends
 
-    def step() -> tuple[Any, Any]:
-        backends.REGISTRY["triton"] = dataclasses.replace(fused, fused_logits=False)
-        try:
-            return prepared.step()
-        finally:
-            backends.REGISTRY["triton"] = fused
+        prepared = _torch_kl("triton").make(inputs)
+        fused = backends.REGISTRY["triton"]
 
-    return dataclasses.replace(prepared, step=step)
+        def step() -> tuple[Any, Any]:
+            backends.REGISTRY["triton"] = dataclasses.replace(fused, **off)
+            try:
+                return prepared.step()
+            finally:
+                backends.REGISTRY["triton"] = fused
+
+        return dataclasses.replace(prepared, step=step)
+
+    return make
 
 
 def build() -> dict[str, Impl]:
@@ -205,7 +209,10 @@ def build() -> dict[str, Impl]:
         for name in _registry("jax_kl")
     }
     if "triton" in _registry("torch_kl"):
-        impls["torch_kl/triton-cublas-logits"] = Impl("torch", _torch_kl_cublas_logits)
+        # cuBLAS logits, then the `stats` and `finish` kernels: the comparison that prices both fusions
+        impls["torch_kl/triton-cublas-logits"] = Impl("torch", _torch_kl_without(fused_logits=False))
+        # the statistics in the GEMM's epilogue, `dL/dz` written by `finish` (cross-entropy: not factored)
+        impls["torch_kl/triton-unfactored"] = Impl("torch", _torch_kl_without(factored=False))
     # XLA folds each chunk's `acc + g^T x` into a cuBLAS GEMM (beta = 1) only when its own Triton
     # GEMMs are off: `pallas_triton-cublas` shows that fold. `pallas-cublas` is what a user's
     # jit(compiler_options=...) gets on the default backend, which cannot see the option and still

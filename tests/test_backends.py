@@ -241,6 +241,11 @@ CE_CASES = {
     "fp16": (dict(n=40, h=16, v=53, dtype="float16"), dict(chunk_size=16)),
     "v4099": (dict(n=4, h=4, v=4099), dict(chunk_size=3)),
     "all-ignored": (dict(n=6, h=5, v=19, ignore_frac=1.0, bias=True), dict()),
+    # bfloat16, no bias, no smoothing, rows of 16-byte multiples: the Triton backend factors dL/dz
+    "bf16-factored": (dict(n=37, h=16, v=104, dtype="bfloat16"), dict(chunk_size=16)),
+    "bf16-factored-softcap-sum": (
+        dict(n=22, h=16, v=64, dtype="bfloat16", logit_scale=20.0, lead=(2, 11)),
+        dict(reduction="sum", logit_scale=3.0, softcap=90.0, accum_dtype="float32")),
 }
 
 

@@ -145,7 +145,8 @@ def test_bench_lists_every_registry_backend() -> None:
 
     names = list(build())
     assert names[0] == "floor"
-    variants = {"torch_kl/triton-cublas-logits", "jax_kl/pallas-cublas", "jax_kl/pallas_triton-cublas"}
+    variants = {"torch_kl/triton-cublas-logits", "torch_kl/triton-unfactored", "jax_kl/pallas-cublas",
+                "jax_kl/pallas_triton-cublas"}
     assert variants <= set(names)
     backends = [n for n in names if "_kl/" in n and n not in variants]
     assert [n.replace("torch_kl/", "torch/").replace("jax_kl/", "jax/") for n in backends] == _registry_ids()

@@ -18,7 +18,7 @@ from fused_kl.options import RunOptions
 from fused_kl.plan import plan_chunks
 
 from . import teachers
-from .backends import fused_logits_of, phases_of
+from .backends import factored_of, fused_logits_of, phases_of
 from .layout import Layout
 from .teachers import TeacherArrays
 
@@ -86,6 +86,13 @@ def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool
         acc.add_(torch.mm(a, b))
 
 
+def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` accumulated and written in float32."""
+    if _has_out_dtype(a.device, a.dtype):
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return torch.mm(a.float(), b.float())
+
+
 @dataclass
 class Grads:
     """The gradient buffers being filled, ``None`` where not needed."""
@@ -112,6 +119,25 @@ def _allocate(x, weight, needs: Needs, run: RunOptions, has_chunks: bool, out: d
         weight=grad_w,
         bias=buffer("grad_bias", torch.float32, (v,)).zero_() if needs.bias else None,
     )
+
+
+def _factored_chunk(
+    exp: tuple, settle, z, xc, weight, y, keep, grads: Grads, start: int, weights, loss: Loss, layout, v_total: int
+) -> torch.Tensor:  # fmt: skip
+    """The rows' losses of a chunk whose logits GEMM wrote ``E`` (``backends/triton_factored``),
+    and its gradients: ``grad_x = diag(alpha) (E W)``, ``grad_W += E^T (diag(alpha) x)``."""
+    local, tile_max, bn = exp
+    stats = layout.combine_stats(local)
+    losses = rowmath.row_losses(stats, keep, (y >= 0) & (y < v_total), None, weights, loss, v_total, torch)
+    if grads.x is None and grads.weight is None:
+        return losses
+    c_hard = rowmath.row_scales(keep, weights, loss, torch)[1]
+    alpha = settle(z, tile_max, bn, stats, local_labels(y, layout.vocab_start(weight.shape[0]), loss), c_hard, loss)
+    if grads.x is not None:
+        torch.mul(_mm_f32(z, weight), alpha[:, None], out=grads.x[start : start + z.shape[0]])
+    if grads.weight is not None:
+        _accumulate(grads.weight, z.t(), torch.mul(xc, alpha[:, None], out=torch.empty_like(xc)), first=start == 0)
+    return losses
 
 
 def _cast_into(value: torch.Tensor, dest: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
@@ -156,11 +182,16 @@ def forward(
     rows = plan.chunk_rows if n else 0
     buf = torch.empty(rows, v, dtype=x.dtype, device=dev)  # logits, then dL/dz in place
     t_buf = torch.empty(rows, v, dtype=teacher.target.dtype, device=dev) if teachers.buffers(loss) == 2 else None
-    fused_logits = fused_logits_of(run.backend)
+    fused_logits, factored = fused_logits_of(run.backend), factored_of(run.backend)
     for start, stop in plan.bounds:
         xc, z = x[start:stop], buf[: stop - start]
         t = teachers.dense_chunk(loss, teacher, start, stop, t_buf)
         y = None if labels is None else labels[start:stop]
+        exp = None if factored is None else factored[0](xc, weight, bias, local_labels(y, v0, loss), loss, z)
+        if exp is not None:
+            row_loss[start:stop] = _factored_chunk(exp, factored[1], z, xc, weight, y, keep[start:stop], grads,
+                                                   start, weights, loss, layout, v_total)  # fmt: skip
+            continue
         stats = None
         if fused_logits is not None:
             stats = fused_logits(xc, weight, bias, stats_teacher(t, loss), local_labels(y, v0, loss), loss, z)

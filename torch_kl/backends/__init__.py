@@ -39,7 +39,9 @@ def _jax_missing(device: torch.device) -> str | None:
 class Backend:
     """``phases``: module of the row phases the chunk driver runs, or None for a backend that
     brings its own driver (the bridge); ``missing(device)`` says why it cannot run, or None;
-    ``fused_logits``: whether it has a logits GEMM that makes the ``stats`` phase on the way."""
+    ``fused_logits``: whether it has a logits GEMM that makes the ``stats`` phase on the way;
+    ``factored``: whether that GEMM also writes the cross-entropy's ``dL/dz`` factored
+    (``triton_factored``)."""
 
     name: str
     runs: str
@@ -47,12 +49,20 @@ class Backend:
     phases: str | None
     single_device: bool = False
     fused_logits: bool = False
+    factored: bool = False
 
 
 REGISTRY = {
     b.name: b
     for b in (
-        Backend("triton", "the Triton row kernels, chunked", _triton_missing, "triton_phases", fused_logits=True),
+        Backend(
+            "triton",
+            "the Triton row kernels, chunked",
+            _triton_missing,
+            "triton_phases",
+            fused_logits=True,
+            factored=True,
+        ),
         Backend("torch", "the same chunked algorithm in plain PyTorch", lambda d: None, "torch_phases"),
         Backend("pallas", "jax_kl's Pallas kernels through DLPack, under torch autograd", _jax_missing, None, True),
     )
@@ -105,6 +115,16 @@ def fused_logits_of(name: str) -> Callable | None:
     from .triton_logits import logits_with_stats
 
     return logits_with_stats
+
+
+def factored_of(name: str) -> tuple[Callable, Callable] | None:
+    """The backend's cross-entropy chunk whose ``dL/dz`` is a row scale of the exponentials its
+    logits GEMM writes (``triton_factored``), if it has one: ``(exp_logits, settle)``."""
+    if not (REGISTRY[name].fused_logits and REGISTRY[name].factored):
+        return None
+    from . import triton_factored, triton_logits
+
+    return triton_logits.exp_logits, triton_factored.settle
 
 
 def compute_of(name: str) -> Callable:

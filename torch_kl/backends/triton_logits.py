@@ -35,6 +35,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from fused_kl import rowmath
 from fused_kl.loss import Loss
 
+from . import triton_factored
+from .triton_factored import _exp_tile
 from .triton_phases import _common, _transform
 
 # Tile shape measured on the H200 (benchmarks/RESULTS-2026-12-01.md, RESULTS.md): a 128 x 256 tile,
@@ -66,8 +68,8 @@ def _tile_lse(f, c):
 
 @triton.jit
 def _logits_kernel(
-    x, w, z, bias_ptr, part_ptr, M, V, K, inv_t, scale, cap,
-    CAPPED: tl.constexpr, HARD: tl.constexpr,
+    x, w, z, bias_ptr, part_ptr, y_ptr, M, V, K, inv_t, scale, cap,
+    CAPPED: tl.constexpr, HARD: tl.constexpr, EXP: tl.constexpr,
     HARD_LSE: tl.constexpr, HAS_BIAS: tl.constexpr, TMA: tl.constexpr, F16: tl.constexpr, UPCAST: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr, NPROG: tl.constexpr,
 ):  # fmt: skip
@@ -95,26 +97,39 @@ def _logits_kernel(
             acc = tl.dot(xa, wb.T, acc)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + cols, mask=cols < V, other=0.0).to(tl.float32)[None, :]
-        zq = acc.to(tl.float16 if F16 else tl.bfloat16)
+        valid = (cols < V)[None, :]
+        out = part_ptr + pn * M + rows
+        live = rows < M
+        if EXP:  # f(z) from the float32 accumulator, exponentiated (triton_factored's epilogue)
+            f = tl.where(valid, _transform(acc, scale, cap, CAPPED), -float("inf"))
+            values, tile_lse, tile_max = _exp_tile(f, cap, CAPPED)
+            zq = values.to(tl.bfloat16)
+        else:
+            zq = acc.to(tl.float16 if F16 else tl.bfloat16)
         if TMA:
             z.store([pm * BM, pn * BN], zq)
         else:
             tl.store(z + rows[:, None].to(tl.int64) * V + cols[None, :], zq,
-                     mask=(rows[:, None] < M) & (cols[None, :] < V))  # fmt: skip
-        valid = (cols < V)[None, :]
-        if CAPPED:
-            f = tl.where(valid, _transform(zq.to(tl.float32), scale, cap, CAPPED), -float("inf"))
-            c = 1.0
-        else:  # f(z) = scale * z: the scale joins the exponent's factor
-            f = tl.where(valid, zq.to(tl.float32), -float("inf"))
-            c = scale
-        out = part_ptr + pn * M + rows
-        live = rows < M
-        tl.store(out, _tile_lse(f, c * inv_t), mask=live)
-        if HARD_LSE:
-            tl.store(out + part_stride, _tile_lse(f, c), mask=live)
-        if HARD:
-            tl.store(out + 2 * part_stride, tl.sum(tl.where(valid, f, 0.0), axis=1) * c, mask=live)
+                     mask=(rows[:, None] < M) & valid)  # fmt: skip
+        if EXP:
+            tl.store(out, tile_lse, mask=live)
+            tl.store(out + part_stride, tile_max, mask=live)
+            if HARD:
+                y = tl.load(y_ptr + rows, mask=live, other=-1)
+                at_label = (cols[None, :] == y[:, None]) & valid
+                tl.store(out + 2 * part_stride, tl.sum(tl.where(at_label, f, 0.0), axis=1), mask=live)
+        else:
+            if CAPPED:
+                f = tl.where(valid, _transform(zq.to(tl.float32), scale, cap, CAPPED), -float("inf"))
+                c = 1.0
+            else:  # f(z) = scale * z: the scale joins the exponent's factor
+                f = tl.where(valid, zq.to(tl.float32), -float("inf"))
+                c = scale
+            tl.store(out, _tile_lse(f, c * inv_t), mask=live)
+            if HARD_LSE:
+                tl.store(out + part_stride, _tile_lse(f, c), mask=live)
+            if HARD:
+                tl.store(out + 2 * part_stride, tl.sum(tl.where(valid, f, 0.0), axis=1) * c, mask=live)
 
 
 @functools.cache
@@ -143,21 +158,11 @@ def _fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, z: t
     )
 
 
-def logits_with_stats(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    t: torch.Tensor | None,
-    y: torch.Tensor | None,
-    loss: Loss,
-    z: torch.Tensor,
-) -> torch.Tensor | None:
-    """Write the chunk's logits ``x W^T (+ bias)`` into ``z`` and return their ``STATS`` (local
-    to this vocabulary slice; ``y`` the local labels), or ``None`` without touching ``z`` when
-    the fused GEMM does not take these operands or the ``stats`` phase must read a dense teacher
-    ``t`` (``fused_kl.chunk.stats_teacher``)."""
-    if t is not None or not _fits(x, weight, bias, z):
-        return None
+def _gemm(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor | None, loss: Loss,
+    z: torch.Tensor, exp: bool,
+) -> tuple[torch.Tensor, int]:  # fmt: skip
+    """Run the kernel; ``(the column tiles' partial statistics [PARTS, tiles, rows], tile width)``."""
     (m, k), v = x.shape, weight.shape[0]
     interpreted = _interpreted(x.device)
     cfg = dict(INTERPRET_CONFIG if interpreted else GPU_CONFIG)
@@ -177,11 +182,43 @@ def logits_with_stats(
     common = _common(loss)
     parts = torch.empty(PARTS, triton.cdiv(v, bn), m, dtype=torch.float32, device=x.device)
     _logits_kernel[(programs,)](
-        *operands, z if bias is None else bias, parts, m, v, k, common["inv_t"], common["scale"], common["cap"],
-        CAPPED=common["CAPPED"], HARD=y is not None, HARD_LSE=loss.separate_hard_lse, HAS_BIAS=bias is not None,
+        *operands, z if bias is None else bias, parts, z if y is None else y, m, v, k,
+        common["inv_t"], common["scale"], common["cap"], CAPPED=common["CAPPED"], HARD=y is not None, EXP=exp,
+        HARD_LSE=loss.separate_hard_lse, HAS_BIAS=bias is not None,
         TMA=tma, F16=x.dtype == torch.float16, UPCAST=bf16_interpreted, BM=bm, BN=bn, BK=bk, NPROG=programs, **cfg,
     )  # fmt: skip
-    return _combine(parts, z, y, loss)
+    return parts, bn
+
+
+def logits_with_stats(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    t: torch.Tensor | None,
+    y: torch.Tensor | None,
+    loss: Loss,
+    z: torch.Tensor,
+) -> torch.Tensor | None:
+    """Write the chunk's logits ``x W^T (+ bias)`` into ``z`` and return their ``STATS`` (local
+    to this vocabulary slice; ``y`` the local labels), or ``None`` without touching ``z`` when
+    the fused GEMM does not take these operands or the ``stats`` phase must read a dense teacher
+    ``t`` (``fused_kl.chunk.stats_teacher``)."""
+    if t is not None or not _fits(x, weight, bias, z):
+        return None
+    return _combine(_gemm(x, weight, bias, y, loss, z, exp=False)[0], z, y, loss)
+
+
+def exp_logits(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor, loss: Loss, z: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+    """Write the chunk's ``E`` (``triton_factored``) into ``z`` and return ``(STATS local to this
+    vocabulary slice, each column tile's row maxima [tiles, rows], tile width)``, or ``None``
+    without touching ``z`` when the chunk's gradient does not factor or the GEMM does not take
+    these operands."""
+    if not (triton_factored.takes(x, bias, loss) and _fits(x, weight, bias, z)):
+        return None
+    parts, bn = _gemm(x, weight, None, y, loss, z, exp=True)
+    return triton_factored.combine(parts), parts[1], bn
 
 
 def _combine(parts: torch.Tensor, z: torch.Tensor, y: torch.Tensor | None, loss: Loss) -> torch.Tensor:

@@ -1,0 +1,130 @@
+"""The fused cross-entropy's ``dL/dz = diag(alpha) E`` (``torch_kl/backends/triton_factored.py``):
+``E`` written by the logits GEMM's epilogue, rows whose maxima leave the window rescaled by
+``settle``, against float64; which chunks take it; in Triton's interpreter and on the GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import torch_kl
+from fused_kl.loss import Loss
+from torch_kl.backends import factored_of, triton_factored, triton_logits
+
+
+def _logits_of_every_kind(rows: int, v: int, h: int, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """bfloat16 ``x``, ``W`` whose logits are, by row: ordinary (``|a| < 10``); about 100 (above
+    the window); about -70 (below it); about 20, but 60 on the first quarter of the columns
+    (some column tiles out of the window). Column 0 of ``W`` is 1, so ``x[:, 0]`` shifts a row;
+    column 1 is 1 on the first quarter, so ``x[:, 1]`` lifts those columns."""
+    gen = torch.Generator().manual_seed(rows + v)
+    x = torch.randn(rows, h, generator=gen)
+    w = torch.randn(v, h, generator=gen) / h**0.5
+    w[:, 0], w[:, 1] = 1.0, 0.0
+    w[: v // 4, 1] = 1.0
+    x[:, :2] = 0.0
+    x[1::4, 0] = 100.0
+    x[2::4, 0] = -70.0
+    x[3::4, 0], x[3::4, 1] = 20.0, 40.0
+    return x.to(torch.bfloat16).to(device), w.to(torch.bfloat16).to(device)
+
+
+CE = Loss(teacher=None, weight_soft=0.0, weight_hard=1.0)
+CAPPED = Loss(teacher=None, weight_soft=0.0, weight_hard=1.0, softcap=80.0, logit_scale=1.25)
+
+
+@pytest.mark.parametrize("loss", [CE, CAPPED])
+def test_alpha_times_e_is_the_gradient_in_float64(loss):
+    rows, v, h = 24, 96, 16
+    x, w = _logits_of_every_kind(rows, v, h)
+    y = torch.randint(0, v, (rows,), generator=torch.Generator().manual_seed(1))
+    z = torch.empty(rows, v, dtype=torch.bfloat16)
+    stats, tile_max, bn = triton_logits.exp_logits(x, w, None, y, loss, z)
+    bad = ((tile_max < triton_factored.LO.value) | (tile_max > triton_factored.HI.value)).any(0)
+    assert bad.any() and not bad.all()  # both kinds of rows, so the repair runs and skips
+    assert (tile_max.amax(0) < triton_factored.LO.value).any() and (tile_max.amax(0) > triton_factored.HI.value).any()
+    c_hard = torch.rand(rows, generator=torch.Generator().manual_seed(2))
+    alpha = triton_factored.settle(z, tile_max, bn, stats, y, c_hard, loss)
+
+    a = (x.double() @ w.double().T) * loss.logit_scale
+    if loss.softcap is not None:
+        a = loss.softcap * torch.tanh(a / loss.softcap)
+    slope = loss.logit_scale * (1.0 if loss.softcap is None else 1.0 - (a / loss.softcap) ** 2)
+    grad = c_hard.double()[:, None] * slope * (torch.softmax(a, -1) - F.one_hot(y, v))
+    torch.testing.assert_close(stats[:, 1].double(), torch.logsumexp(a, -1), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(stats[:, 5].double(), a.gather(1, y[:, None])[:, 0], rtol=1e-5, atol=1e-4)
+    got = alpha.double()[:, None] * z.double()
+    # bfloat16's rounding of each entry, relative to the row's largest
+    scale = grad.abs().amax(-1, keepdim=True)
+    assert ((got - grad).abs() / scale).max() < 8e-3
+
+
+def test_the_fused_cross_entropy_matches_float64_on_rows_outside_the_window():
+    x, w = _logits_of_every_kind(32, 96, 16)
+    y = torch.randint(0, 96, (32,), generator=torch.Generator().manual_seed(3))
+    y[5] = -100
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    loss = torch_kl.fused_linear_cross_entropy(xr, wr, y, backend="triton", chunk_size=16)
+    loss.backward()
+    xd, wd = x.double().requires_grad_(), w.double().requires_grad_()
+    want = F.cross_entropy(xd @ wd.T, y)
+    want.backward()
+    assert abs(float(loss.detach()) - float(want.detach())) < 1e-4 * abs(float(want.detach()))
+    for got, ref in ((xr.grad, xd.grad), (wr.grad, wd.grad)):
+        assert float((got.double() - ref).norm() / ref.norm()) < 1e-2
+
+
+def _taken(monkeypatch, **call) -> bool:
+    """Whether ``fused_linear_cross_entropy`` on bfloat16 inputs factored its chunks."""
+    seen = []
+    original = triton_logits.exp_logits
+
+    def spy(*args, **kwargs):
+        out = original(*args, **kwargs)
+        seen.append(out is not None)
+        return out
+
+    monkeypatch.setattr(triton_logits, "exp_logits", spy)
+    dtype = call.pop("dtype", torch.bfloat16)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(20, 16, generator=gen).to(dtype).requires_grad_()
+    w = (torch.randn(64, 16, generator=gen) / 4).to(dtype).requires_grad_()
+    y = torch.randint(0, 64, (20,), generator=gen)
+    bias = torch.zeros(64, dtype=dtype, requires_grad=True) if call.pop("bias", False) else None
+    torch_kl.fused_linear_cross_entropy(x, w, y, bias=bias, backend="triton", **call).backward()
+    assert seen, "the Triton backend offers every chunk to the factored path"
+    return all(seen)
+
+
+@pytest.mark.parametrize(
+    ("call", "taken"),
+    [
+        (dict(), True),
+        (dict(softcap=5.0, logit_scale=0.5, reduction="sum", accum_dtype=torch.float32), True),
+        (dict(label_smoothing=0.1), False),  # -eps/V on every entry: not a row scale of E
+        (dict(bias=True), False),
+        (dict(dtype=torch.float16), False),  # float16's range cannot hold E
+    ],
+)
+def test_which_chunks_factor(monkeypatch, call, taken):
+    assert _taken(monkeypatch, **call) is taken
+
+
+def test_only_the_triton_backend_factors():
+    assert factored_of("triton") == (triton_logits.exp_logits, triton_factored.settle)
+    assert factored_of("torch") is None
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_with_partial_tiles():
+    """The TMA path with the GPU tile shape, 300 rows and 2056 columns (partial tiles)."""
+    x, w = _logits_of_every_kind(300, 2056, 264, "cuda")
+    y = torch.randint(0, 2056, (300,), device="cuda")
+    z = torch.empty(300, 2056, dtype=torch.bfloat16, device="cuda")
+    stats, tile_max, bn = triton_logits.exp_logits(x, w, None, y, CE, z)
+    alpha = triton_factored.settle(z, tile_max, bn, stats, y, torch.ones(300, device="cuda"), CE)
+    a = x.double() @ w.double().T
+    grad = torch.softmax(a, -1) - F.one_hot(y, 2056)
+    got = alpha.double()[:, None] * z.double()
+    assert ((got - grad).abs() / grad.abs().amax(-1, keepdim=True)).max() < 8e-3
