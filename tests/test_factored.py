@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import torch_kl
 from fused_kl.loss import Loss
-from torch_kl.backends import factored_of, triton_factored, triton_logits
+from torch_kl.backends import factored_of, triton_factored
 
 
 def _logits_of_every_kind(rows: int, v: int, h: int, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,12 +40,15 @@ def test_alpha_times_e_is_the_gradient_in_float64(loss):
     x, w = _logits_of_every_kind(rows, v, h)
     y = torch.randint(0, v, (rows,), generator=torch.Generator().manual_seed(1))
     z = torch.empty(rows, v, dtype=torch.bfloat16)
-    stats, tile_max, bn = triton_logits.exp_logits(x, w, None, y, loss, z)
-    bad = ((tile_max < triton_factored.LO.value) | (tile_max > triton_factored.HI.value)).any(0)
+    stats, tiles = triton_factored.exp_logits(x, w, None, y, loss, z)
+    bad = tiles.bad.bool()
     assert bad.any() and not bad.all()  # both kinds of rows, so the repair runs and skips
-    assert (tile_max.amax(0) < triton_factored.LO.value).any() and (tile_max.amax(0) > triton_factored.HI.value).any()
+    row_max = tiles.max.amax(0)
+    assert torch.equal(bad, ((tiles.max < triton_factored.LO.value) | (tiles.max > triton_factored.HI.value)).any(0))
+    assert (row_max < triton_factored.LO.value).any() and (row_max > triton_factored.HI.value).any()
+    assert torch.equal(tiles.shift, torch.where(bad, row_max, triton_factored.SHIFT.value))
     c_hard = torch.rand(rows, generator=torch.Generator().manual_seed(2))
-    alpha = triton_factored.settle(z, tile_max, bn, stats, y, c_hard, loss)
+    alpha = triton_factored.settle(z, tiles, stats, y, c_hard, loss)
 
     a = (x.double() @ w.double().T) * loss.logit_scale
     if loss.softcap is not None:
@@ -78,14 +81,14 @@ def test_the_fused_cross_entropy_matches_float64_on_rows_outside_the_window():
 def _taken(monkeypatch, **call) -> bool:
     """Whether ``fused_linear_cross_entropy`` on bfloat16 inputs factored its chunks."""
     seen = []
-    original = triton_logits.exp_logits
+    original = triton_factored.exp_logits
 
     def spy(*args, **kwargs):
         out = original(*args, **kwargs)
         seen.append(out is not None)
         return out
 
-    monkeypatch.setattr(triton_logits, "exp_logits", spy)
+    monkeypatch.setattr(triton_factored, "exp_logits", spy)
     dtype = call.pop("dtype", torch.bfloat16)
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(20, 16, generator=gen).to(dtype).requires_grad_()
@@ -112,7 +115,7 @@ def test_which_chunks_factor(monkeypatch, call, taken):
 
 
 def test_only_the_triton_backend_factors():
-    assert factored_of("triton") == (triton_logits.exp_logits, triton_factored.settle)
+    assert factored_of("triton") is triton_factored
     assert factored_of("torch") is None
 
 
@@ -122,8 +125,8 @@ def test_on_the_gpu_with_partial_tiles():
     x, w = _logits_of_every_kind(300, 2056, 264, "cuda")
     y = torch.randint(0, 2056, (300,), device="cuda")
     z = torch.empty(300, 2056, dtype=torch.bfloat16, device="cuda")
-    stats, tile_max, bn = triton_logits.exp_logits(x, w, None, y, CE, z)
-    alpha = triton_factored.settle(z, tile_max, bn, stats, y, torch.ones(300, device="cuda"), CE)
+    stats, tiles = triton_factored.exp_logits(x, w, None, y, CE, z)
+    alpha = triton_factored.settle(z, tiles, stats, y, torch.ones(300, device="cuda"), CE)
     a = x.double() @ w.double().T
     grad = torch.softmax(a, -1) - F.one_hot(y, 2056)
     got = alpha.double()[:, None] * z.double()

@@ -122,21 +122,22 @@ def _allocate(x, weight, needs: Needs, run: RunOptions, has_chunks: bool, out: d
 
 
 def _factored_chunk(
-    exp: tuple, settle, z, xc, weight, y, keep, grads: Grads, start: int, weights, loss: Loss, layout, v_total: int
+    factored, exp: tuple, z, xc, weight, y, keep, grads: Grads, start: int, weights, loss: Loss, layout, v_total: int
 ) -> torch.Tensor:  # fmt: skip
     """The rows' losses of a chunk whose logits GEMM wrote ``E`` (``backends/triton_factored``),
     and its gradients: ``grad_x = diag(alpha) (E W)``, ``grad_W += E^T (diag(alpha) x)``."""
-    local, tile_max, bn = exp
+    local, tiles = exp
     stats = layout.combine_stats(local)
     losses = rowmath.row_losses(stats, keep, (y >= 0) & (y < v_total), None, weights, loss, v_total, torch)
     if grads.x is None and grads.weight is None:
         return losses
     c_hard = rowmath.row_scales(keep, weights, loss, torch)[1]
-    alpha = settle(z, tile_max, bn, stats, local_labels(y, layout.vocab_start(weight.shape[0]), loss), c_hard, loss)
+    y_local = local_labels(y, layout.vocab_start(weight.shape[0]), loss)
+    alpha = factored.settle(z, tiles, stats, y_local, c_hard, loss)
     if grads.x is not None:
-        torch.mul(_mm_f32(z, weight), alpha[:, None], out=grads.x[start : start + z.shape[0]])
+        factored.scale_rows(_mm_f32(z, weight), alpha, grads.x[start : start + z.shape[0]])
     if grads.weight is not None:
-        _accumulate(grads.weight, z.t(), torch.mul(xc, alpha[:, None], out=torch.empty_like(xc)), first=start == 0)
+        _accumulate(grads.weight, z.t(), factored.scale_rows(xc, alpha, torch.empty_like(xc)), first=start == 0)
     return losses
 
 
@@ -187,9 +188,9 @@ def forward(
         xc, z = x[start:stop], buf[: stop - start]
         t = teachers.dense_chunk(loss, teacher, start, stop, t_buf)
         y = None if labels is None else labels[start:stop]
-        exp = None if factored is None else factored[0](xc, weight, bias, local_labels(y, v0, loss), loss, z)
+        exp = None if factored is None else factored.exp_logits(xc, weight, bias, local_labels(y, v0, loss), loss, z)
         if exp is not None:
-            row_loss[start:stop] = _factored_chunk(exp, factored[1], z, xc, weight, y, keep[start:stop], grads,
+            row_loss[start:stop] = _factored_chunk(factored, exp, z, xc, weight, y, keep[start:stop], grads,
                                                    start, weights, loss, layout, v_total)  # fmt: skip
             continue
         stats = None

@@ -117,14 +117,14 @@ def fused_logits_of(name: str) -> Callable | None:
     return logits_with_stats
 
 
-def factored_of(name: str) -> tuple[Callable, Callable] | None:
-    """The backend's cross-entropy chunk whose ``dL/dz`` is a row scale of the exponentials its
-    logits GEMM writes (``triton_factored``), if it has one: ``(exp_logits, settle)``."""
+def factored_of(name: str) -> ModuleType | None:
+    """The backend's module for cross-entropy chunks whose ``dL/dz`` is a row scale of the
+    exponentials its logits GEMM writes (``triton_factored``), if it has one."""
     if not (REGISTRY[name].fused_logits and REGISTRY[name].factored):
         return None
-    from . import triton_factored, triton_logits
+    from . import triton_factored
 
-    return triton_logits.exp_logits, triton_factored.settle
+    return triton_factored
 
 
 def compute_of(name: str) -> Callable:

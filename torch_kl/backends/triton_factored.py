@@ -29,12 +29,15 @@ second temperature, the smoothing's ``-eps/V``), and float16's range is too narr
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
-from fused_kl import rowmath
 from fused_kl.loss import Loss
+
+from .triton_phases import LOWEST, _transform
 
 SHIFT: tl.constexpr = tl.constexpr(16.0)
 LO: tl.constexpr = tl.constexpr(-40.0)
@@ -63,6 +66,49 @@ def _exp_tile(f, cap, CAPPED: tl.constexpr):
 
 
 @triton.jit
+def _tiles_kernel(part_ptr, lse_ptr, shift_ptr, bad_ptr, rows, tiles, BR: tl.constexpr):
+    """Per row, from the column tiles' log-sum-exps and maxima (``part_ptr``: ``[2, tiles,
+    rows]``): the slice's log-sum-exp, the shift ``E`` ends with (``SHIFT``, or the row's max
+    where a tile left the window) and whether a tile left it."""
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    live = r < rows
+    m_lse = tl.full([BR], LOWEST, tl.float32)
+    s = tl.zeros([BR], tl.float32)
+    m_max = tl.full([BR], LOWEST, tl.float32)
+    bad = tl.zeros([BR], tl.int1)
+    for t in range(0, tiles):
+        lse = tl.load(part_ptr + t * rows + r, mask=live, other=LOWEST)
+        m = tl.load(part_ptr + (tiles + t) * rows + r, mask=live, other=0.0)
+        grown = tl.maximum(m_lse, lse)
+        s = s * tl.exp(m_lse - grown) + tl.exp(lse - grown)
+        m_lse = grown
+        m_max = tl.maximum(m_max, m)
+        bad = bad | (m < LO) | (m > HI)
+    tl.store(lse_ptr + r, m_lse + tl.log(s), mask=live)
+    tl.store(shift_ptr + r, tl.where(bad, m_max, SHIFT), mask=live)
+    tl.store(bad_ptr + r, bad.to(tl.int8), mask=live)
+
+
+@triton.jit
+def _label_logit_kernel(x_ptr, w_ptr, y_ptr, out_ptr, H, V, scale, cap, CAPPED: tl.constexpr, BH: tl.constexpr):
+    """``f(x_r . W_y)`` of each row whose label lies in this vocabulary slice, else 0: one dot
+    product a row, so the epilogue does not look for the label."""
+    r = tl.program_id(0).to(tl.int64)
+    y = tl.load(y_ptr + r)
+    inside = (y >= 0) & (y < V)
+    w_row = w_ptr + tl.where(inside, y, 0).to(tl.int64) * H
+    acc = tl.zeros([BH], tl.float32)
+    for start in range(0, H, BH):
+        cols = start + tl.arange(0, BH)
+        keep = cols < H
+        acc += tl.load(x_ptr + r * H + cols, mask=keep, other=0.0).to(tl.float32) * tl.load(
+            w_row + cols, mask=keep, other=0.0
+        ).to(tl.float32)
+    f = _transform(tl.sum(acc, axis=0), tl.cast(scale, tl.float32), tl.cast(cap, tl.float32), CAPPED)
+    tl.store(out_ptr + r, tl.where(inside, f, 0.0))
+
+
+@triton.jit
 def _repair_kernel(z_ptr, tile_max_ptr, shift_ptr, bad_ptr, rows, V, BN: tl.constexpr):
     """Row ``r`` of ``E`` rescaled to the shift ``shift[r]`` where ``bad[r]``: each column tile
     holds ``exp(a - its shift) u``, its shift told by its max as in :func:`_exp_tile`."""
@@ -79,28 +125,66 @@ def _repair_kernel(z_ptr, tile_max_ptr, shift_ptr, bad_ptr, rows, V, BN: tl.cons
             tl.store(row + cols, (v * factor).to(tl.bfloat16), mask=keep)
 
 
-def combine(parts: torch.Tensor) -> torch.Tensor:
-    """``fused_kl.rowmath.STATS`` (local to this vocabulary slice) from the column tiles'
-    ``(log-sum-exp, max, f(z_y))``; the soft term's columns repeat the hard term's."""
-    lse = rowmath.combine_lse(parts[0], lambda a: a.amax(0), lambda a: a.sum(0), torch)
+@triton.jit
+def _scale_rows_kernel(src_ptr, alpha_ptr, out_ptr, H, src_stride, out_stride, BH: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BH + tl.arange(0, BH)
+    keep = cols < H
+    v = tl.load(src_ptr + r * src_stride + cols, mask=keep, other=0.0).to(tl.float32) * tl.load(alpha_ptr + r)
+    tl.store(out_ptr + r * out_stride + cols, v.to(out_ptr.dtype.element_ty), mask=keep)
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """What ``settle`` needs of the epilogue's column tiles: their row maxima ``[tiles, rows]``,
+    their width, and per row ``E``'s final shift and whether a tile left the window."""
+
+    max: torch.Tensor
+    width: int
+    shift: torch.Tensor
+    bad: torch.Tensor
+
+
+def exp_logits(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor, loss: Loss, z: torch.Tensor
+) -> tuple[torch.Tensor, Tiles] | None:
+    """Write the chunk's ``E`` into ``z`` and return ``(STATS local to this vocabulary slice,
+    Tiles)``, ``y`` the local labels; or ``None`` without touching ``z`` when the chunk's
+    gradient does not factor or the GEMM does not take these operands."""
+    from . import triton_logits  # it imports this module, for the epilogue
+
+    if not (takes(x, bias, loss) and triton_logits.fits(x, weight, bias, z)):
+        return None
+    parts, width = triton_logits.launch(x, weight, None, y, loss, z, exp=True)
+    (rows, h), v = x.shape, weight.shape[0]
+    lse, shift, f_y = (torch.empty(rows, dtype=torch.float32, device=x.device) for _ in range(3))
+    bad = torch.empty(rows, dtype=torch.int8, device=x.device)
+    _tiles_kernel[(triton.cdiv(rows, 128),)](parts, lse, shift, bad, rows, parts.shape[1], BR=128)
+    _label_logit_kernel[(rows,)](
+        x, weight, y, f_y, h, v, loss.logit_scale, loss.softcap or 1.0, CAPPED=loss.softcap is not None, BH=512
+    )
     zero = torch.zeros_like(lse)
-    return torch.stack([lse, lse, zero, zero, zero, parts[2].sum(0)], dim=1)
+    return torch.stack([lse, lse, zero, zero, zero, f_y], dim=1), Tiles(parts[1], width, shift, bad)
 
 
-def settle(
-    z: torch.Tensor, tile_max: torch.Tensor, bn: int, stats: torch.Tensor, y: torch.Tensor, c_hard: torch.Tensor,
-    loss: Loss,
-) -> torch.Tensor:  # fmt: skip
-    """Make ``z`` the chunk's ``E`` (rows out of the window rewritten, the label entries written)
+def settle(z: torch.Tensor, tiles: Tiles, stats: torch.Tensor, y: torch.Tensor, c_hard: torch.Tensor, loss: Loss):
+    """Make ``z`` the chunk's ``E`` (rows out of the window rescaled, the label entries written)
     and return ``alpha``; ``stats`` are the rows' combined ``STATS``, ``y`` the local labels."""
     rows, v = z.shape
-    bad = ((tile_max < LO.value) | (tile_max > HI.value)).any(0)
-    shift = torch.where(bad, tile_max.amax(0), SHIFT.value)
-    _repair_kernel[(rows,)](z, tile_max, shift, bad.to(torch.int8), rows, v, BN=bn)
-    lse, f_y = stats[:, 1], stats[:, 5]
+    _repair_kernel[(rows,)](z, tiles.max, tiles.shift, tiles.bad, rows, v, BN=tiles.width)
+    lse, f_y, shift = stats[:, 1], stats[:, 5], tiles.shift
     inside = (y >= 0) & (y < v)
     at = torch.where(inside, y, 0)[:, None]
     u_y = 1.0 if loss.softcap is None else 1.0 - (f_y / loss.softcap) ** 2
     label = (torch.exp(f_y - lse) - 1.0) * u_y * torch.exp(lse - shift)
     z.scatter_(1, at, torch.where(inside, label, z.gather(1, at)[:, 0].float())[:, None].to(z.dtype))
     return c_hard * loss.logit_scale * torch.exp(shift - lse)
+
+
+def scale_rows(src: torch.Tensor, alpha: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out = diag(alpha) src`` in ``out``'s dtype, the product in float32 (rows contiguous)."""
+    rows, h = src.shape
+    if rows:
+        grid = (rows, triton.cdiv(h, 1024))
+        _scale_rows_kernel[grid](src, alpha, out, h, src.stride(0), out.stride(0), BH=1024)
+    return out

@@ -35,7 +35,6 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from fused_kl import rowmath
 from fused_kl.loss import Loss
 
-from . import triton_factored
 from .triton_factored import _exp_tile
 from .triton_phases import _common, _transform
 
@@ -68,8 +67,8 @@ def _tile_lse(f, c):
 
 @triton.jit
 def _logits_kernel(
-    x, w, z, bias_ptr, part_ptr, y_ptr, M, V, K, inv_t, scale, cap,
-    CAPPED: tl.constexpr, HARD: tl.constexpr, EXP: tl.constexpr,
+    x, w, z, bias_ptr, part_ptr, M, V, K, inv_t, scale, cap,
+    CAPPED: tl.constexpr, SUM_F: tl.constexpr, EXP: tl.constexpr,
     HARD_LSE: tl.constexpr, HAS_BIAS: tl.constexpr, TMA: tl.constexpr, F16: tl.constexpr, UPCAST: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr, NPROG: tl.constexpr,
 ):  # fmt: skip
@@ -98,10 +97,13 @@ def _logits_kernel(
         if HAS_BIAS:
             acc += tl.load(bias_ptr + cols, mask=cols < V, other=0.0).to(tl.float32)[None, :]
         valid = (cols < V)[None, :]
+        partial = (pn + 1) * BN > V  # the last column tile: no mass past the vocabulary
         out = part_ptr + pn * M + rows
         live = rows < M
         if EXP:  # f(z) from the float32 accumulator, exponentiated (triton_factored's epilogue)
-            f = tl.where(valid, _transform(acc, scale, cap, CAPPED), -float("inf"))
+            f = _transform(acc, scale, cap, CAPPED)
+            if partial:
+                f = tl.where(valid, f, -float("inf"))
             values, tile_lse, tile_max = _exp_tile(f, cap, CAPPED)
             zq = values.to(tl.bfloat16)
         else:
@@ -114,21 +116,19 @@ def _logits_kernel(
         if EXP:
             tl.store(out, tile_lse, mask=live)
             tl.store(out + part_stride, tile_max, mask=live)
-            if HARD:
-                y = tl.load(y_ptr + rows, mask=live, other=-1)
-                at_label = (cols[None, :] == y[:, None]) & valid
-                tl.store(out + 2 * part_stride, tl.sum(tl.where(at_label, f, 0.0), axis=1), mask=live)
         else:
             if CAPPED:
-                f = tl.where(valid, _transform(zq.to(tl.float32), scale, cap, CAPPED), -float("inf"))
+                f = _transform(zq.to(tl.float32), scale, cap, CAPPED)
                 c = 1.0
             else:  # f(z) = scale * z: the scale joins the exponent's factor
-                f = tl.where(valid, zq.to(tl.float32), -float("inf"))
+                f = zq.to(tl.float32)
                 c = scale
+            if partial:
+                f = tl.where(valid, f, -float("inf"))
             tl.store(out, _tile_lse(f, c * inv_t), mask=live)
             if HARD_LSE:
                 tl.store(out + part_stride, _tile_lse(f, c), mask=live)
-            if HARD:
+            if SUM_F:
                 tl.store(out + 2 * part_stride, tl.sum(tl.where(valid, f, 0.0), axis=1) * c, mask=live)
 
 
@@ -141,7 +141,7 @@ def _interpreted(device: torch.device) -> bool:
     return device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, z: torch.Tensor) -> bool:
+def fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, z: torch.Tensor) -> bool:
     """Whether the fused GEMM takes these operands: half precision, contiguous rows, on Hopper or
     newer (or in the interpreter), with rows whose bytes TMA can address (multiples of 16)."""
     dev = x.device
@@ -158,7 +158,7 @@ def _fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, z: t
     )
 
 
-def _gemm(
+def launch(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor | None, loss: Loss,
     z: torch.Tensor, exp: bool,
 ) -> tuple[torch.Tensor, int]:  # fmt: skip
@@ -182,8 +182,8 @@ def _gemm(
     common = _common(loss)
     parts = torch.empty(PARTS, triton.cdiv(v, bn), m, dtype=torch.float32, device=x.device)
     _logits_kernel[(programs,)](
-        *operands, z if bias is None else bias, parts, z if y is None else y, m, v, k,
-        common["inv_t"], common["scale"], common["cap"], CAPPED=common["CAPPED"], HARD=y is not None, EXP=exp,
+        *operands, z if bias is None else bias, parts, m, v, k, common["inv_t"], common["scale"], common["cap"],
+        CAPPED=common["CAPPED"], SUM_F=_sums_f(y, loss), EXP=exp,
         HARD_LSE=loss.separate_hard_lse, HAS_BIAS=bias is not None,
         TMA=tma, F16=x.dtype == torch.float16, UPCAST=bf16_interpreted, BM=bm, BN=bn, BK=bk, NPROG=programs, **cfg,
     )  # fmt: skip
@@ -203,22 +203,14 @@ def logits_with_stats(
     to this vocabulary slice; ``y`` the local labels), or ``None`` without touching ``z`` when
     the fused GEMM does not take these operands or the ``stats`` phase must read a dense teacher
     ``t`` (``fused_kl.chunk.stats_teacher``)."""
-    if t is not None or not _fits(x, weight, bias, z):
+    if t is not None or not fits(x, weight, bias, z):
         return None
-    return _combine(_gemm(x, weight, bias, y, loss, z, exp=False)[0], z, y, loss)
+    return _combine(launch(x, weight, bias, y, loss, z, exp=False)[0], z, y, loss)
 
 
-def exp_logits(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor, loss: Loss, z: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, int] | None:
-    """Write the chunk's ``E`` (``triton_factored``) into ``z`` and return ``(STATS local to this
-    vocabulary slice, each column tile's row maxima [tiles, rows], tile width)``, or ``None``
-    without touching ``z`` when the chunk's gradient does not factor or the GEMM does not take
-    these operands."""
-    if not (triton_factored.takes(x, bias, loss) and _fits(x, weight, bias, z)):
-        return None
-    parts, bn = _gemm(x, weight, None, y, loss, z, exp=True)
-    return triton_factored.combine(parts), parts[1], bn
+def _sums_f(y: torch.Tensor | None, loss: Loss) -> bool:
+    """Whether the row statistics need ``sum f(z)``: only label smoothing's term reads it."""
+    return y is not None and loss.label_smoothing != 0.0
 
 
 def _combine(parts: torch.Tensor, z: torch.Tensor, y: torch.Tensor | None, loss: Loss) -> torch.Tensor:
@@ -235,7 +227,7 @@ def _combine(parts: torch.Tensor, z: torch.Tensor, y: torch.Tensor | None, loss:
             lse(1) if loss.separate_hard_lse else lse_z,
             zero,
             zero,
-            parts[2].sum(0) if y is not None else zero,
+            parts[2].sum(0) if _sums_f(y, loss) else zero,
             zero if y is None else rowmath.label_logit(z, y, loss, lambda a, at: a.gather(1, at).float(), torch),
         ],
         dim=1,
