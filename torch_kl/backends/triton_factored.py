@@ -66,24 +66,28 @@ def _exp_tile(f, cap, CAPPED: tl.constexpr):
 
 
 @triton.jit
-def _tiles_kernel(part_ptr, lse_ptr, shift_ptr, bad_ptr, rows, tiles, BR: tl.constexpr):
+def _tiles_kernel(part_ptr, lse_ptr, shift_ptr, bad_ptr, rows, tiles, BR: tl.constexpr, BT: tl.constexpr):
     """Per row, from the column tiles' log-sum-exps and maxima (``part_ptr``: ``[2, tiles,
     rows]``): the slice's log-sum-exp, the shift ``E`` ends with (``SHIFT``, or the row's max
-    where a tile left the window) and whether a tile left it."""
+    where a tile left the window) and whether a tile left it. ``[BT, BR]`` blocks: many tiles
+    in flight at once, the rows contiguous."""
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     live = r < rows
     m_lse = tl.full([BR], LOWEST, tl.float32)
     s = tl.zeros([BR], tl.float32)
     m_max = tl.full([BR], LOWEST, tl.float32)
     bad = tl.zeros([BR], tl.int1)
-    for t in range(0, tiles):
-        lse = tl.load(part_ptr + t * rows + r, mask=live, other=LOWEST)
-        m = tl.load(part_ptr + (tiles + t) * rows + r, mask=live, other=0.0)
-        grown = tl.maximum(m_lse, lse)
-        s = s * tl.exp(m_lse - grown) + tl.exp(lse - grown)
+    for t0 in range(0, tiles, BT):
+        t = t0 + tl.arange(0, BT)
+        at = t[:, None] * rows + r[None, :]
+        keep = (t < tiles)[:, None] & live[None, :]
+        lse = tl.load(part_ptr + at, mask=keep, other=LOWEST)
+        m = tl.load(part_ptr + tiles * rows + at, mask=keep, other=0.0)
+        grown = tl.maximum(m_lse, tl.max(lse, axis=0))
+        s = s * tl.exp(m_lse - grown) + tl.sum(tl.exp(lse - grown[None, :]), axis=0)
         m_lse = grown
-        m_max = tl.maximum(m_max, m)
-        bad = bad | (m < LO) | (m > HI)
+        m_max = tl.maximum(m_max, tl.max(tl.where(keep, m, LOWEST), axis=0))
+        bad = bad | (tl.sum((keep & ((m < LO) | (m > HI))).to(tl.int32), axis=0) > 0)
     tl.store(lse_ptr + r, m_lse + tl.log(s), mask=live)
     tl.store(shift_ptr + r, tl.where(bad, m_max, SHIFT), mask=live)
     tl.store(bad_ptr + r, bad.to(tl.int8), mask=live)
@@ -159,7 +163,7 @@ def exp_logits(
     (rows, h), v = x.shape, weight.shape[0]
     lse, shift, f_y = (torch.empty(rows, dtype=torch.float32, device=x.device) for _ in range(3))
     bad = torch.empty(rows, dtype=torch.int8, device=x.device)
-    _tiles_kernel[(triton.cdiv(rows, 128),)](parts, lse, shift, bad, rows, parts.shape[1], BR=128)
+    _tiles_kernel[(triton.cdiv(rows, 32),)](parts, lse, shift, bad, rows, parts.shape[1], BR=32, BT=64)
     _label_logit_kernel[(rows,)](
         x, weight, y, f_y, h, v, loss.logit_scale, loss.softcap or 1.0, CAPPED=loss.softcap is not None, BH=512
     )
