@@ -100,6 +100,13 @@ CASES = {
     "topk-bf16-renormalize": (
         dict(n=18, h=16, v=41, target_format="topk_log_probs", k=8, dtype="bfloat16"),
         dict(topk_tail="renormalize", accum_dtype="float32")),
+    # bfloat16, uncapped, no bias, rows of 16-byte multiples: the Triton backend factors dL/dz
+    "topk-bf16-factored-bin-hard": (
+        dict(n=30, h=16, v=96, target_format="topk_log_probs", k=8, dtype="bfloat16", pad_frac=0.3),
+        dict(weight_hard_loss=0.5, logit_scale=1.5, chunk_size=16)),
+    "topk-bf16-factored-renormalize-T": (
+        dict(n=21, h=16, v=64, target_format="topk_log_probs", k=6, dtype="bfloat16", logit_scale=4.0),
+        dict(topk_tail="renormalize", temperature=2.0, reduction="sum", accum_dtype="float32")),
     "topk-v4099-drop": (
         dict(n=4, h=4, v=4099, target_format="topk_log_probs", k=20, pad_frac=0.5),
         dict(topk_tail="drop", chunk_size=3)),

@@ -9,15 +9,19 @@ import torch
 import torch.nn.functional as F
 
 import torch_kl
-from fused_kl.loss import Loss
+from fused_kl.loss import Loss, Teacher
+from fused_kl.reference import reference
 from torch_kl.backends import factored_of, triton_factored
+
+FLUSHED = 7
 
 
 def _logits_of_every_kind(rows: int, v: int, h: int, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """bfloat16 ``x``, ``W`` whose logits are, by row: ordinary (``|a| < 10``); about 100 (above
     the window); about -70 (below it); about 20, but 60 on the first quarter of the columns
     (some column tiles out of the window). Column 0 of ``W`` is 1, so ``x[:, 0]`` shifts a row;
-    column 1 is 1 on the first quarter, so ``x[:, 1]`` lifts those columns."""
+    column 1 is 1 on the first quarter, so ``x[:, 1]`` lifts those columns; column 2 is 1 at
+    ``FLUSHED`` alone, where the ordinary rows' logit is -100."""
     gen = torch.Generator().manual_seed(rows + v)
     x = torch.randn(rows, h, generator=gen)
     w = torch.randn(v, h, generator=gen) / h**0.5
@@ -27,6 +31,9 @@ def _logits_of_every_kind(rows: int, v: int, h: int, device: str = "cpu") -> tup
     x[1::4, 0] = 100.0
     x[2::4, 0] = -70.0
     x[3::4, 0], x[3::4, 1] = 20.0, 40.0
+    w[:, 2] = 0.0
+    w[FLUSHED, 2] = 1.0
+    x[0::4, 2] = -100.0  # ordinary rows: one logit far below the shift, where E flushes to zero
     return x.to(torch.bfloat16).to(device), w.to(torch.bfloat16).to(device)
 
 
@@ -48,7 +55,7 @@ def test_alpha_times_e_is_the_gradient_in_float64(loss):
     assert (row_max < triton_factored.LO.value).any() and (row_max > triton_factored.HI.value).any()
     assert torch.equal(tiles.shift, torch.where(bad, row_max, triton_factored.SHIFT.value))
     c_hard = torch.rand(rows, generator=torch.Generator().manual_seed(2))
-    alpha = triton_factored.settle(z, tiles, stats, y, c_hard, loss)
+    alpha = triton_factored.settle(z, tiles, stats, c_hard, c_hard, y, loss)
 
     a = (x.double() @ w.double().T) * loss.logit_scale
     if loss.softcap is not None:
@@ -78,8 +85,66 @@ def test_the_fused_cross_entropy_matches_float64_on_rows_outside_the_window():
         assert float((got.double() - ref).norm() / ref.norm()) < 1e-2
 
 
-def _taken(monkeypatch, **call) -> bool:
-    """Whether ``fused_linear_cross_entropy`` on bfloat16 inputs factored its chunks."""
+@pytest.mark.parametrize(
+    "options",
+    [dict(weight_hard_loss=0.5, logit_scale=1.25), dict(topk_tail="renormalize", temperature=2.0, reduction="sum")],
+)
+def test_a_topk_teacher_matches_float64_on_rows_outside_the_window_and_flushed_tokens(options):
+    """Its logits at the teacher's tokens come from E (log E + the shift), or from a dot product
+    where E flushed to zero: the token FLUSHED, -100 in the ordinary rows, is every row's first."""
+    rows, v, h, k = 32, 96, 16, 6
+    x, w = _logits_of_every_kind(rows, v, h)
+    gen = torch.Generator().manual_seed(4)
+    y = torch.randint(0, v, (rows,), generator=gen)
+    y[5] = -100
+    order = torch.rand(rows, v, generator=gen)
+    order[:, FLUSHED] = 2.0  # drawn last: the other tokens are distinct from it
+    idx = torch.cat([torch.full((rows, 1), FLUSHED), order.argsort(-1)[:, : k - 1]], dim=1)
+    t = torch.randn(rows, v, generator=gen).log_softmax(-1).gather(1, idx)
+    t[::3, -1] = float("-inf")  # padding
+    args = dict(target_format="topk_log_probs", target_indices=idx, **options)
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    loss = torch_kl.fused_linear_kl_div(xr, wr, t, y, backend="triton", chunk_size=16, **args)
+    loss.backward()
+    want = reference(x, w, t, y, **args)
+    assert abs(float(loss.detach()) - want.loss) < 1e-3 * abs(want.loss)
+    for got, ref in ((xr.grad, want.grad_x), (wr.grad, want.grad_weight)):
+        ref = torch.as_tensor(ref, dtype=torch.float64)
+        assert float((got.double() - ref).norm() / ref.norm()) < 1e-2
+
+
+def test_rows_with_sparse_values_and_no_dense_part_are_zeroed():
+    """``beta = 0`` (a top-k row whose factor K vanishes, without the hard term): ``settle`` zeroes
+    the row's E and writes its top-k entries alone."""
+    rows, v, h = 8, 64, 16
+    x, w = _logits_of_every_kind(rows, v, h)
+    loss = Loss(teacher=Teacher("topk_log_probs", 1.0))
+    z = torch.empty(rows, v, dtype=torch.bfloat16)
+    stats, tiles = triton_factored.exp_logits(x, w, None, None, loss, z)
+    beta = torch.tensor([0.0, 1.0, 0.0, 0.5, 1.0, 0.0, 2.0, 1.0])
+    at = torch.tensor([[3, 9]] * rows)
+    values = torch.full((rows, 2), -0.25)
+    values[5] = 0.0  # no dense part and no sparse value: left as it is
+    mask = torch.ones(rows, 2, dtype=torch.bool)
+    from torch_kl.driver import OPS
+
+    alpha = triton_factored.settle(z, tiles, stats, beta, torch.zeros(rows), None, loss, (at, values, mask), OPS.set_at)
+    g = alpha[:, None].double() * z.double()
+    for r in (0, 2):
+        assert torch.count_nonzero(g[r]) == 2 and torch.allclose(
+            g[r, [3, 9]], torch.full((2,), -0.25, dtype=torch.float64), rtol=1e-2
+        )
+    assert torch.all(g[5] == 0)
+    q = torch.softmax((x.double() @ w.double().T), -1)
+    dense = beta[:, None].double() * q
+    dense[:, [3, 9]] = -0.25
+    for r in (1, 3, 4, 6, 7):
+        assert ((g[r] - dense[r]).abs().max() / dense[r].abs().max()) < 8e-3
+
+
+def _taken(monkeypatch, teacher: bool, **call) -> bool:
+    """Whether the Triton backend factored the chunks of a bfloat16 call: the cross-entropy, or
+    with a ``teacher`` the KL divergence to one in ``call``'s ``target_format``."""
     seen = []
     original = triton_factored.exp_logits
 
@@ -95,23 +160,39 @@ def _taken(monkeypatch, **call) -> bool:
     w = (torch.randn(64, 16, generator=gen) / 4).to(dtype).requires_grad_()
     y = torch.randint(0, 64, (20,), generator=gen)
     bias = torch.zeros(64, dtype=dtype, requires_grad=True) if call.pop("bias", False) else None
-    torch_kl.fused_linear_cross_entropy(x, w, y, bias=bias, backend="triton", **call).backward()
+    if not teacher:
+        loss = torch_kl.fused_linear_cross_entropy(x, w, y, bias=bias, backend="triton", **call)
+    elif call.get("target_format") == "topk_log_probs":
+        t, idx = torch.randn(20, 64, generator=gen).log_softmax(-1).topk(5, dim=-1)
+        loss = torch_kl.fused_linear_kl_div(x, w, t, y, bias=bias, target_indices=idx, backend="triton", **call)
+    else:
+        t = torch.randn(20, 64, generator=gen).softmax(-1)
+        loss = torch_kl.fused_linear_kl_div(x, w, t, y, bias=bias, backend="triton", **call)
+    loss.backward()
     assert seen, "the Triton backend offers every chunk to the factored path"
     return all(seen)
 
 
+TOPK = dict(target_format="topk_log_probs")
+
+
 @pytest.mark.parametrize(
-    ("call", "taken"),
+    ("teacher", "call", "taken"),
     [
-        (dict(), True),
-        (dict(softcap=5.0, logit_scale=0.5, reduction="sum", accum_dtype=torch.float32), True),
-        (dict(label_smoothing=0.1), False),  # -eps/V on every entry: not a row scale of E
-        (dict(bias=True), False),
-        (dict(dtype=torch.float16), False),  # float16's range cannot hold E
+        (False, dict(), True),
+        (False, dict(softcap=5.0, logit_scale=0.5, reduction="sum", accum_dtype=torch.float32), True),
+        (False, dict(label_smoothing=0.1), False),  # -eps/V on every entry: not a row scale of E
+        (False, dict(bias=True), False),
+        (False, dict(dtype=torch.float16), False),  # float16's range cannot hold E
+        (True, dict(TOPK, temperature=2.0, topk_tail="drop"), True),
+        (True, dict(TOPK, weight_hard_loss=0.5), True),
+        (True, dict(TOPK, weight_hard_loss=0.5, temperature=2.0), False),  # two exponentials: q at T and at 1
+        (True, dict(TOPK, softcap=5.0), False),  # E would not give the logits back
+        (True, dict(target_format="probs"), False),  # a dense teacher's p on every entry
     ],
 )
-def test_which_chunks_factor(monkeypatch, call, taken):
-    assert _taken(monkeypatch, **call) is taken
+def test_which_chunks_factor(monkeypatch, teacher, call, taken):
+    assert _taken(monkeypatch, teacher, **call) is taken
 
 
 def test_only_the_triton_backend_factors():
@@ -126,7 +207,8 @@ def test_on_the_gpu_with_partial_tiles():
     y = torch.randint(0, 2056, (300,), device="cuda")
     z = torch.empty(300, 2056, dtype=torch.bfloat16, device="cuda")
     stats, tiles = triton_factored.exp_logits(x, w, None, y, CE, z)
-    alpha = triton_factored.settle(z, tiles, stats, y, torch.ones(300, device="cuda"), CE)
+    ones = torch.ones(300, device="cuda")
+    alpha = triton_factored.settle(z, tiles, stats, ones, ones, y, CE)
     a = x.double() @ w.double().T
     grad = torch.softmax(a, -1) - F.one_hot(y, 2056)
     got = alpha.double()[:, None] * z.double()

@@ -29,6 +29,7 @@ second temperature, the smoothing's ``-eps/V``), and float16's range is too narr
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -47,17 +48,21 @@ LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 
 def takes(x: torch.Tensor, bias: torch.Tensor | None, loss: Loss) -> bool:
     """Whether a chunk's ``dL/dz`` factors (the module docstring), before the GEMM's own checks."""
-    return x.dtype == torch.bfloat16 and bias is None and loss.hard and not loss.soft and loss.label_smoothing == 0.0
+    if x.dtype != torch.bfloat16 or bias is not None or loss.label_smoothing != 0.0:
+        return False
+    if loss.soft:  # a top-k teacher, uncapped so that E gives its logits back; one temperature
+        return loss.kind == "coef" and loss.softcap is None and (not loss.hard or loss.temperature == 1.0)
+    return loss.hard
 
 
 @triton.jit
-def _exp_tile(f, cap, CAPPED: tl.constexpr):
-    """``(E, each row's log-sum-exp, each row's max)`` of a tile of ``a = f(z)`` (``-inf`` past
-    the vocabulary): ``exp(a - shift) u`` with the shift ``SHIFT`` on rows whose max lies in the
-    window, the max itself on the others."""
-    m = tl.max(f, axis=1)
+def _exp_tile(a, f, cap, CAPPED: tl.constexpr):
+    """``(E, each row's log-sum-exp, each row's max)`` of a tile of exponents ``a = f(z) / T``
+    (``-inf`` past the vocabulary): ``exp(a - shift) u`` with the shift ``SHIFT`` on rows whose
+    max lies in the window, the max itself on the others."""
+    m = tl.max(a, axis=1)
     shift = tl.where((m >= LO) & (m <= HI), SHIFT, m)
-    e = tl.exp2(f * LOG2E - (shift * LOG2E)[:, None])
+    e = tl.exp2(a * LOG2E - (shift * LOG2E)[:, None])
     lse = shift + tl.log(tl.sum(e, axis=1))
     if CAPPED:
         r = f / cap
@@ -113,20 +118,50 @@ def _label_logit_kernel(x_ptr, w_ptr, y_ptr, out_ptr, H, V, scale, cap, CAPPED: 
 
 
 @triton.jit
-def _repair_kernel(z_ptr, tile_max_ptr, shift_ptr, bad_ptr, rows, V, BN: tl.constexpr):
-    """Row ``r`` of ``E`` rescaled to the shift ``shift[r]`` where ``bad[r]``: each column tile
-    holds ``exp(a - its shift) u``, its shift told by its max as in :func:`_exp_tile`."""
+def _repair_kernel(z_ptr, tile_max_ptr, shift_ptr, flag_ptr, rows, V, BN: tl.constexpr):
+    """Row ``r`` of ``E`` rescaled to the shift ``shift[r]`` where ``flag[r]`` is 1, zeroed where
+    it is 2: each column tile holds ``exp(a - its shift) u``, its shift told by its max as in
+    :func:`_exp_tile`."""
     r = tl.program_id(0)
-    if tl.load(bad_ptr + r) != 0:
+    flag = tl.load(flag_ptr + r)
+    if flag != 0:
         s = tl.load(shift_ptr + r)
+        kept = tl.where(flag == 2, 0.0, 1.0)
         row = z_ptr + r.to(tl.int64) * V
         for start in range(0, V, BN):
             cols = start + tl.arange(0, BN)
             keep = cols < V
             m = tl.load(tile_max_ptr + (start // BN) * rows + r)
-            factor = tl.exp(tl.where((m >= LO) & (m <= HI), SHIFT, m) - s)
+            factor = tl.exp(tl.where((m >= LO) & (m <= HI), SHIFT, m) - s) * kept
             v = tl.load(row + cols, mask=keep, other=0.0).to(tl.float32)
             tl.store(row + cols, (v * factor).to(tl.bfloat16), mask=keep)
+
+
+@triton.jit
+def _logits_at_kernel(
+    z_ptr, tile_max_ptr, at_ptr, inside_ptr, x_ptr, w_ptr, out_ptr, rows, V, H, K, t_over_scale,
+    BN: tl.constexpr, BK: tl.constexpr, BH: tl.constexpr,
+):  # fmt: skip
+    """The raw logits ``z[r, at[r, i]]`` where ``inside``: ``(log E + the tile's shift) T /
+    logit_scale`` (``E``'s rounding moves them by at most ``2**-9 T / logit_scale``), or the dot
+    product ``x_r . W_j`` where ``E`` flushed to zero (rare: ``a`` far below the shift)."""
+    r = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, BK)
+    keep = (i < K) & (tl.load(inside_ptr + r * K + i, mask=i < K, other=0) != 0)
+    at = tl.load(at_ptr + r * K + i, mask=keep, other=0)
+    e = tl.load(z_ptr + r * V + at, mask=keep, other=1.0).to(tl.float32)
+    m = tl.load(tile_max_ptr + (at // BN) * rows + r, mask=keep, other=0.0)
+    a = tl.log(e) + tl.where((m >= LO) & (m <= HI), SHIFT, m)
+    flushed = keep & (e == 0.0)
+    dot = tl.zeros([BK], tl.float32)
+    if tl.sum(flushed.to(tl.int32), axis=0) > 0:
+        for start in range(0, H, BH):
+            cols = start + tl.arange(0, BH)
+            xv = tl.load(x_ptr + r * H + cols, mask=cols < H, other=0.0).to(tl.float32)
+            wv = tl.load(w_ptr + at[:, None].to(tl.int64) * H + cols[None, :],
+                         mask=flushed[:, None] & (cols < H)[None, :], other=0.0).to(tl.float32)  # fmt: skip
+            dot += tl.sum(wv * xv[None, :], axis=1)
+    tl.store(out_ptr + r * K + i, tl.where(flushed, dot, a * t_over_scale), mask=i < K)
 
 
 @triton.jit
@@ -150,10 +185,15 @@ class Tiles:
 
 
 def exp_logits(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor, loss: Loss, z: torch.Tensor
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    y: torch.Tensor | None,
+    loss: Loss,
+    z: torch.Tensor,
 ) -> tuple[torch.Tensor, Tiles] | None:
     """Write the chunk's ``E`` into ``z`` and return ``(STATS local to this vocabulary slice,
-    Tiles)``, ``y`` the local labels; or ``None`` without touching ``z`` when the chunk's
+    Tiles)``, ``y`` the local labels (None without the hard term); or ``None`` without touching ``z`` when the chunk's
     gradient does not factor or the GEMM does not take these operands."""
     from . import triton_logits  # it imports this module, for the epilogue
 
@@ -164,25 +204,71 @@ def exp_logits(
     lse, shift, f_y = (torch.empty(rows, dtype=torch.float32, device=x.device) for _ in range(3))
     bad = torch.empty(rows, dtype=torch.int8, device=x.device)
     _tiles_kernel[(triton.cdiv(rows, 32),)](parts, lse, shift, bad, rows, parts.shape[1], BR=32, BT=64)
-    _label_logit_kernel[(rows,)](
-        x, weight, y, f_y, h, v, loss.logit_scale, loss.softcap or 1.0, CAPPED=loss.softcap is not None, BH=512
-    )
     zero = torch.zeros_like(lse)
+    if y is None:
+        f_y = zero
+    else:
+        _label_logit_kernel[(rows,)](
+            x, weight, y, f_y, h, v, loss.logit_scale, loss.softcap or 1.0, CAPPED=loss.softcap is not None, BH=512
+        )
     return torch.stack([lse, lse, zero, zero, zero, f_y], dim=1), Tiles(parts[1], width, shift, bad)
 
 
-def settle(z: torch.Tensor, tiles: Tiles, stats: torch.Tensor, y: torch.Tensor, c_hard: torch.Tensor, loss: Loss):
-    """Make ``z`` the chunk's ``E`` (rows out of the window rescaled, the label entries written)
-    and return ``alpha``; ``stats`` are the rows' combined ``STATS``, ``y`` the local labels."""
+def logits_at(
+    z: torch.Tensor, tiles: Tiles, at: torch.Tensor, inside: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+    loss: Loss,
+) -> torch.Tensor:  # fmt: skip
+    """The chunk's raw logits ``[rows, k]`` at the columns ``at`` (where ``inside``), from ``E``
+    before :func:`settle` changes it (see ``_logits_at_kernel``)."""
+    rows, k = at.shape
+    out = torch.empty(rows, k, dtype=torch.float32, device=z.device)
+    if rows and k:
+        _logits_at_kernel[(rows,)](
+            z, tiles.max, at.contiguous(), inside.to(torch.int8).contiguous(), x, weight, out, rows, z.shape[1],
+            x.shape[1], k, loss.temperature / loss.logit_scale, BN=tiles.width, BK=triton.next_power_of_2(k), BH=128,
+        )  # fmt: skip
+    return out
+
+
+def settle(
+    z: torch.Tensor,
+    tiles: Tiles,
+    stats: torch.Tensor,
+    beta: torch.Tensor,
+    c_hard: torch.Tensor,
+    y: torch.Tensor | None,
+    loss: Loss,
+    sparse: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    set_at: Callable | None = None,
+) -> torch.Tensor:
+    """Make ``z`` the chunk's ``E`` and return ``alpha``. ``beta``: the rows' factor of ``q`` in
+    ``dL/dz`` (``c_hard``, plus ``c_soft K`` with a top-k teacher); ``stats`` their combined
+    ``STATS``; ``y`` the local labels (None without the hard term); ``sparse``: ``(at, values,
+    mask)``, the top-k teacher's ``dL/dz`` at its tokens, written with ``set_at``
+    (``fused_kl.chunk.ChunkOps``). Rows out of the window are rescaled; rows with no dense part
+    (``beta = 0``) but sparse values are zeroed first; the label entries are written, then the
+    sparse ones."""
     rows, v = z.shape
-    _repair_kernel[(rows,)](z, tiles.max, tiles.shift, tiles.bad, rows, v, BN=tiles.width)
-    lse, f_y, shift = stats[:, 1], stats[:, 5], tiles.shift
-    inside = (y >= 0) & (y < v)
-    at = torch.where(inside, y, 0)[:, None]
-    u_y = 1.0 if loss.softcap is None else 1.0 - (f_y / loss.softcap) ** 2
-    label = (torch.exp(f_y - lse) - 1.0) * u_y * torch.exp(lse - shift)
-    z.scatter_(1, at, torch.where(inside, label, z.gather(1, at)[:, 0].float())[:, None].to(z.dtype))
-    return c_hard * loss.logit_scale * torch.exp(shift - lse)
+    flags, dense = tiles.bad, beta
+    if sparse is not None:
+        at, values, mask = sparse
+        empty = (beta == 0) & (mask & (values != 0)).any(-1)
+        flags = torch.where(empty, 2, flags).to(torch.int8)
+        dense = torch.where(empty, 1.0, beta)
+    _repair_kernel[(rows,)](z, tiles.max, tiles.shift, flags, rows, v, BN=tiles.width)
+    lse = stats[:, 0]  # at T: the exponent's; the same as the hard term's where both are used
+    alpha = dense * loss.logit_scale * torch.exp(tiles.shift - lse)
+    divisor = torch.where(alpha == 0, 1.0, alpha)
+    if y is not None:  # dL/dz_y = logit_scale u_y (beta q_y - c_hard)
+        f_y = stats[:, 5]
+        inside = (y >= 0) & (y < v)
+        at_y = torch.where(inside, y, 0)[:, None]
+        u_y = 1.0 if loss.softcap is None else 1.0 - (f_y / loss.softcap) ** 2
+        label = loss.logit_scale * u_y * (beta * torch.exp(f_y - stats[:, 1]) - c_hard) / divisor
+        z.scatter_(1, at_y, torch.where(inside, label, z.gather(1, at_y)[:, 0].float())[:, None].to(z.dtype))
+    if sparse is not None:
+        set_at(z, at, values / divisor[:, None], mask)
+    return alpha
 
 
 def scale_rows(src: torch.Tensor, alpha: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

@@ -104,7 +104,7 @@ def _logits_kernel(
             f = _transform(acc, scale, cap, CAPPED)
             if partial:
                 f = tl.where(valid, f, -float("inf"))
-            values, tile_lse, tile_max = _exp_tile(f, cap, CAPPED)
+            values, tile_lse, tile_max = _exp_tile(f * inv_t, f, cap, CAPPED)
             zq = values.to(tl.bfloat16)
         else:
             zq = acc.to(tl.float16 if F16 else tl.bfloat16)
@@ -182,7 +182,9 @@ def launch(
     common = _common(loss)
     parts = torch.empty(PARTS, triton.cdiv(v, bn), m, dtype=torch.float32, device=x.device)
     _logits_kernel[(programs,)](
-        *operands, z if bias is None else bias, parts, m, v, k, common["inv_t"], common["scale"], common["cap"],
+        # exp: the exponent is the soft term's f / T with a (top-k) teacher, the hard term's f without
+        *operands, z if bias is None else bias, parts, m, v, k, common["inv_t"] if loss.soft or not exp else 1.0,
+        common["scale"], common["cap"],
         CAPPED=common["CAPPED"], SUM_F=_sums_f(y, loss), EXP=exp,
         HARD_LSE=loss.separate_hard_lse, HAS_BIAS=bias is not None,
         TMA=tma, F16=x.dtype == torch.float16, UPCAST=bf16_interpreted, BM=bm, BN=bn, BK=bk, NPROG=programs, **cfg,
