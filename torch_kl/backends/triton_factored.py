@@ -1,29 +1,33 @@
-"""The cross-entropy's ``dL/dz`` factored as ``diag(alpha) E``: no pass over the chunk writes it.
+"""``dL/dz`` factored as ``diag(alpha) E`` plus a few entries a row: no pass over the chunk writes it.
 
-With ``a = f(z)`` (the student transform, temperature 1), ``q = softmax(a)`` and ``c_r`` the
-row's ``c_hard`` (``fused_kl.rowmath.row_scales``; 0 on ignored rows), the fused cross-entropy's
-gradient is ``dL/dz_j = c_r f'(z_j) (q_j - [j = y])``, ``f'(z_j) = logit_scale u_j`` with
-``u_j = 1 - (a_j / softcap)^2`` when capped, else 1. With a shift ``s_r`` per row it factors as::
+With ``a = f(z) / T`` (the student transform; ``T = 1`` without a soft term), ``q = softmax(a)``,
+``(c_soft, c_hard)`` the row's scales (``fused_kl.rowmath.row_scales``; 0 on ignored rows) and
+``f'(z_j) = logit_scale u_j`` (``u_j = 1 - (f_j / softcap)^2`` when capped, else 1), the fused
+cross-entropy's gradient ``c_hard f'(z_j) (q_j - [j = y])`` and a top-k teacher's
+(``fused_kl.rowmath.topk``: ``c_soft f'(z_j) K q_j`` off the teacher's tokens, plus the hard
+term's at ``T = 1``) are, with ``beta = c_hard + c_soft K`` and a shift ``s_r`` per row::
 
-    dL/dz_j = alpha_r E_j,   alpha_r = c_r logit_scale exp(s_r - lse_r)
-    E_j     = exp(a_j - s_r) u_j                  (j != y)
-    E_y     = (q_y - 1) u_y exp(lse_r - s_r)      (the label's entry, rewritten after the GEMM)
+    dL/dz_j = alpha_r E_j,   alpha_r = beta_r logit_scale exp(s_r - lse_r),   E_j = exp(a_j - s_r) u_j
 
-so ``grad_x = diag(alpha) (E W)`` (the product in float32, scaled once) and
-``grad_W += E^T (diag(alpha) x)``: the GEMMs read ``E`` where they read ``dL/dz``, and the
+except at the label and the teacher's tokens, whose ``E_j`` are rewritten after the GEMM as
+``dL/dz_j / alpha_r``. So ``grad_x = diag(alpha) (E W)`` (the product in float32, scaled once)
+and ``grad_W += E^T (diag(alpha) x)``: the GEMMs read ``E`` where they read ``dL/dz``, and the
 ``finish`` pass (read the logits, write ``dL/dz``) is gone, as the ``stats`` pass went into the
 logits GEMM's epilogue. That epilogue cannot know ``lse_r`` yet, so it writes ``E`` with the
 fixed shift ``SHIFT`` in bfloat16, whose range is float32's. The shift is kept only while the
 row's maximum ``a`` lies in ``[LO, HI]``: then ``E <= e^(HI - SHIFT)`` sums in float32 without
 overflow; the entries it flushes to zero lie more than ``SHIFT - LO + 87`` below the row's
-maximum (``q < e^-100``); and ``alpha >= c_r logit_scale e^(SHIFT - HI - log V)`` keeps
-``diag(alpha) x`` a normal bfloat16 number for ``c_r logit_scale`` down to about ``1e-8``.
+maximum (``q < e^-100``); and ``alpha >= beta logit_scale e^(SHIFT - HI - log V)`` keeps
+``diag(alpha) x`` a normal bfloat16 number for ``beta logit_scale`` down to about ``1e-8``.
 A column tile whose maximum leaves the window takes that maximum as its shift instead;
-:func:`settle` rescales the rows holding such tiles to ``s_r`` = the row's maximum (one program per row; the others do
-nothing), then writes the label entries and returns ``alpha``. No host synchronisation.
+:func:`settle` rescales the rows holding such tiles to ``s_r`` = the row's maximum (one program
+a row; the others do nothing). No host synchronisation. The top-k teacher's math needs the
+logits at its tokens: ``log E`` plus the shift gives them back (closer than bfloat16 logits),
+and a dot product where ``E`` flushed to zero.
 
-It takes bfloat16 chunks of the cross-entropy alone (no soft term, no label smoothing, no bias):
-the other losses' ``dL/dz`` is not a row scale of one exponential (a dense teacher's ``p``, a
+It takes bfloat16 chunks without bias or label smoothing: the cross-entropy, and top-k teachers
+uncapped (``log E`` must give ``a`` back) with one temperature (the hard term's ``q`` is at 1).
+The other losses' ``dL/dz`` is not a row scale of one exponential (a dense teacher's ``p``, a
 second temperature, the smoothing's ``-eps/V``), and float16's range is too narrow for ``E``.
 """
 
