@@ -175,6 +175,19 @@ def test_bench_quick_writes_table_json_and_plot(tmp_path, mode: str) -> None:
     assert matplotlib.image.imread(tmp_path / "bench.png").shape[0] > 100
 
 
+def test_interleave_quick_writes_table_and_plot(tmp_path, capsys) -> None:
+    from benchmarks import interleave
+
+    argv = ["--quick", "--mode", "ce", "--impls", "torch_kl/torch", "eager", "--out-dir", str(tmp_path)]
+    assert interleave.main(argv) == 0
+    rounds = [line for line in capsys.readouterr().out.splitlines() if line.startswith("round ")]
+    assert len(rounds) == 2 and all("torch_kl/torch" in line and "eager" in line for line in rounds)
+    table = (tmp_path / "interleave.md").read_text()
+    assert "| torch_kl/torch |" in table and "| eager |" in table
+    assert matplotlib.image.imread(tmp_path / "interleave.png").shape[0] > 100
+    assert interleave.main(["--quick", "--impls", "jax_kl/xla", "--out-dir", str(tmp_path)]) == 2  # not torch
+
+
 def test_bench_module_runs_from_the_repository_root() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "benchmarks.bench", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=300

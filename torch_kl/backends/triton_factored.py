@@ -29,6 +29,7 @@ It takes bfloat16 chunks without bias or label smoothing: the cross-entropy, and
 uncapped (``log E`` must give ``a`` back) with one temperature (the hard term's ``q`` is at 1).
 The other losses' ``dL/dz`` is not a row scale of one exponential (a dense teacher's ``p``, a
 second temperature, the smoothing's ``-eps/V``), and float16's range is too narrow for ``E``.
+``jax_kl`` has no counterpart: its logits GEMM is XLA's (see ``triton_logits``).
 """
 
 from __future__ import annotations
