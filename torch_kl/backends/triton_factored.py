@@ -61,18 +61,16 @@ def takes(x: torch.Tensor, bias: torch.Tensor | None, loss: Loss) -> bool:
 
 
 @triton.jit
-def _exp_tile(g, c, cap, CAPPED: tl.constexpr):
-    """``(E, each row's log-sum-exp, each row's max)`` of a tile of exponents ``a = c g`` (``c > 0``;
-    ``g = f(z)`` when capped, else the raw logits; ``-inf`` past the vocabulary):
-    ``exp(a - shift) u`` with the shift ``SHIFT`` on rows whose max lies in the window, the max
-    itself on the others. One FMA and one ``exp2`` an element: this arithmetic is exposed between
-    two tiles' MMAs."""
-    m = c * tl.max(g, axis=1)
+def _exp_tile(a, f, cap, CAPPED: tl.constexpr):
+    """``(E, each row's log-sum-exp, each row's max)`` of a tile of exponents ``a = f(z) / T``
+    (``-inf`` past the vocabulary): ``exp(a - shift) u`` with the shift ``SHIFT`` on rows whose
+    max lies in the window, the max itself on the others."""
+    m = tl.max(a, axis=1)
     shift = tl.where((m >= LO) & (m <= HI), SHIFT, m)
-    e = tl.exp2(g * (c * LOG2E) - (shift * LOG2E)[:, None])
+    e = tl.exp2(a * LOG2E - (shift * LOG2E)[:, None])
     lse = shift + tl.log(tl.sum(e, axis=1))
     if CAPPED:
-        r = g / cap
+        r = f / cap
         e = e * (1.0 - r * r)
     return e, lse, m
 

@@ -102,16 +102,11 @@ def _logits_kernel(
         partial = (pn + 1) * BN > V  # the last column tile: no mass past the vocabulary
         out = part_ptr + pn * M + rows
         live = rows < M
-        if EXP:  # f(z) / T from the float32 accumulator, exponentiated (triton_factored's epilogue)
-            if CAPPED:
-                g = _transform(acc, scale, cap, CAPPED)
-                c = inv_t
-            else:  # f(z) / T = (scale / T) acc: the factor joins the exponent's FMA
-                g = acc
-                c = scale * inv_t
+        if EXP:  # f(z) from the float32 accumulator, exponentiated (triton_factored's epilogue)
+            f = _transform(acc, scale, cap, CAPPED)
             if partial:
-                g = tl.where(valid, g, -float("inf"))
-            values, tile_lse, tile_max = _exp_tile(g, c, cap, CAPPED)
+                f = tl.where(valid, f, -float("inf"))
+            values, tile_lse, tile_max = _exp_tile(f * inv_t, f, cap, CAPPED)
             zq = values.to(tl.bfloat16)
         else:
             zq = acc.to(tl.float16 if F16 else tl.bfloat16)
