@@ -40,8 +40,8 @@ class Backend:
     """``phases``: module of the row phases the chunk driver runs, or None for a backend that
     brings its own driver (the bridge); ``missing(device)`` says why it cannot run, or None;
     ``fused_logits``: whether it has a logits GEMM that makes the ``stats`` phase on the way;
-    ``factored``: whether that GEMM also writes the cross-entropy's ``dL/dz`` factored
-    (``triton_factored``)."""
+    ``factored``: whether that GEMM also writes ``dL/dz`` factored where it can (the
+    cross-entropy, top-k teachers: ``triton_factored``)."""
 
     name: str
     runs: str
@@ -118,8 +118,8 @@ def fused_logits_of(name: str) -> Callable | None:
 
 
 def factored_of(name: str) -> ModuleType | None:
-    """The backend's module for cross-entropy chunks whose ``dL/dz`` is a row scale of the
-    exponentials its logits GEMM writes (``triton_factored``), if it has one."""
+    """The backend's module for chunks whose ``dL/dz`` is a row scale of the exponentials its
+    logits GEMM writes plus a few entries a row (``triton_factored``), if it has one."""
     if not (REGISTRY[name].fused_logits and REGISTRY[name].factored):
         return None
     from . import triton_factored

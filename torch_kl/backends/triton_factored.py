@@ -198,8 +198,8 @@ def exp_logits(
     z: torch.Tensor,
 ) -> tuple[torch.Tensor, Tiles] | None:
     """Write the chunk's ``E`` into ``z`` and return ``(STATS local to this vocabulary slice,
-    Tiles)``, ``y`` the local labels (None without the hard term); or ``None`` without touching ``z`` when the chunk's
-    gradient does not factor or the GEMM does not take these operands."""
+    Tiles)``, ``y`` the local labels (None without the hard term); or ``None`` without touching
+    ``z`` when the chunk's gradient does not factor or the GEMM does not take these operands."""
     from . import triton_logits  # it imports this module, for the epilogue
 
     if not (takes(x, bias, loss) and triton_logits.fits(x, weight, bias, z)):
@@ -277,8 +277,11 @@ def settle(
 
 
 def scale_rows(src: torch.Tensor, alpha: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``out = diag(alpha) src`` in ``out``'s dtype, the product in float32 (rows contiguous)."""
+    """``out = diag(alpha) src`` in ``out``'s dtype, the product in float32; ``src``'s rows
+    contiguous (``out``'s too, else it is written through a copy)."""
     rows, h = src.shape
+    if out.stride(-1) != 1:
+        return out.copy_(scale_rows(src, alpha, torch.empty(out.shape, dtype=out.dtype, device=out.device)))
     if rows:
         grid = (rows, triton.cdiv(h, 1024))
         _scale_rows_kernel[grid](src, alpha, out, h, src.stride(0), out.stride(0), BH=1024)
