@@ -130,8 +130,8 @@ def _liger(mode: Mode, accum_dtype: torch.dtype | None = None) -> LossFn:
     if mode.name == "hidden":
         jsd = liger.LigerFusedLinearJSD(jsd_beta=mode.beta, accum_dtype=accum_dtype)
         return lambda x, w, a: jsd(x, w, a["target"], a["teacher_weight"], None)
-    if mode.name == "ce":
-        ce = liger.LigerFusedLinearCrossEntropyLoss(accum_dtype=accum_dtype)
+    if mode.teacher is None:
+        ce = liger.LigerFusedLinearCrossEntropyLoss(accum_dtype=accum_dtype, **mode.options)
         return lambda x, w, a: ce(w, x, a["labels"])
     raise Skip(f"Liger has no fused loss for mode {mode.name!r}")
 
@@ -140,7 +140,7 @@ def _fused(package: str, mode: Mode, **options: Any) -> LossFn:
     """``fused_linear_kl_div`` (or ``fused_linear_cross_entropy`` for ``ce``) of ``torch_kl`` or ``jax_kl``."""
     api = importlib.import_module(package)
     if mode.teacher is None:
-        return lambda x, w, a: api.fused_linear_cross_entropy(x, w, a["labels"], **options)
+        return lambda x, w, a: api.fused_linear_cross_entropy(x, w, a["labels"], **mode.options, **options)
     return lambda x, w, a: api.fused_linear_kl_div(x, w, **a, **mode.options, **options)
 
 

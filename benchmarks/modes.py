@@ -59,6 +59,7 @@ MODES = {
             about=f"forward KL, teacher top-{TOPK} log-probabilities, the rest in a tail bin",
         ),
         Mode("ce", None, about="cross-entropy on labels (fused_linear_cross_entropy), no teacher"),
+        Mode("ce-smooth", None, {"label_smoothing": 0.1}, about="the same with label smoothing 0.1"),
     )
 }
 

@@ -65,7 +65,20 @@ def ce(x: torch.Tensor, weight: torch.Tensor, arrays: dict[str, torch.Tensor]) -
     return F.cross_entropy((x @ weight.T).float(), arrays["labels"])
 
 
-TORCH: dict[str, LossFn] = {"kl": kl, "reverse": reverse, "jsd": jsd, "hidden": hidden, "topk": topk, "ce": ce}
+def ce_smooth(x: torch.Tensor, weight: torch.Tensor, arrays: dict[str, torch.Tensor]) -> torch.Tensor:
+    """:func:`ce` with label smoothing 0.1 (the bench's ``ce-smooth`` mode)."""
+    return F.cross_entropy((x @ weight.T).float(), arrays["labels"], label_smoothing=0.1)
+
+
+TORCH: dict[str, LossFn] = {
+    "kl": kl,
+    "reverse": reverse,
+    "jsd": jsd,
+    "hidden": hidden,
+    "topk": topk,
+    "ce": ce,
+    "ce-smooth": ce_smooth,
+}
 
 
 def kl_jax(x: Any, weight: Any, arrays: dict[str, Any]) -> Any:
