@@ -123,13 +123,10 @@ def _allocate(x, weight, needs: Needs, run: RunOptions, has_chunks: bool, out: d
 
 def _factored_chunk(
     factored, exp: tuple, z, xc, weight, y, keep, topk, v0: int, grads: Grads, start: int, weights, loss: Loss,
-    layout, v_total: int, smoothing: tuple[torch.Tensor, torch.Tensor | None] | None,
+    layout, v_total: int,
 ) -> torch.Tensor:  # fmt: skip
     """The rows' losses of a chunk whose logits GEMM wrote ``E`` (``backends/triton_factored``),
-    and its gradients: ``grad_x = diag(alpha) (E W)``, ``grad_W += E^T (diag(alpha) x)``. Label
-    smoothing's ``gamma = -c_hard logit_scale eps / V``, common to a row's entries, is the rank-1
-    rest: ``grad_x += gamma sum_j W_j`` here, ``grad_W += 1 (gamma^T x)`` summed into
-    ``smoothing = (sum_j W_j, that sum)`` and added by the caller after the last chunk."""
+    and its gradients: ``grad_x = diag(alpha) (E W)``, ``grad_W += E^T (diag(alpha) x)``."""
     local, tiles = exp
     stats = layout.combine_stats(local)
     c_soft, c_hard = rowmath.row_scales(keep, weights, loss, torch)
@@ -151,15 +148,11 @@ def _factored_chunk(
     if grads.x is None and grads.weight is None:
         return losses
     y_local = local_labels(y, v0, loss)
-    gamma = None if smoothing is None else c_hard * (-loss.logit_scale * loss.label_smoothing / v_total)
-    alpha = factored.settle(z, tiles, stats, beta, c_hard, y_local, loss, sparse, OPS.set_at, gamma)
+    alpha = factored.settle(z, tiles, stats, beta, c_hard, y_local, loss, sparse, OPS.set_at)
     if grads.x is not None:
-        uniform = None if smoothing is None else (gamma, smoothing[0])
-        factored.scale_rows(_mm_f32(z, weight), alpha, grads.x[start : start + z.shape[0]], uniform)
+        factored.scale_rows(_mm_f32(z, weight), alpha, grads.x[start : start + z.shape[0]])
     if grads.weight is not None:
         _accumulate(grads.weight, z.t(), factored.scale_rows(xc, alpha, torch.empty_like(xc)), first=start == 0)
-        if smoothing is not None:
-            smoothing[1].add_(gamma @ xc.float())  # type: ignore[union-attr]
     return losses
 
 
@@ -206,22 +199,15 @@ def forward(
     buf = torch.empty(rows, v, dtype=x.dtype, device=dev)  # logits, then dL/dz in place
     t_buf = torch.empty(rows, v, dtype=teacher.target.dtype, device=dev) if teachers.buffers(loss) == 2 else None
     fused_logits, factored = fused_logits_of(run.backend), factored_of(run.backend)
-    smoothing = None  # factored chunks with label smoothing: (sum_j W_j, grad_W's rank-1 row)
-    if factored is not None and loss.hard and loss.label_smoothing != 0.0 and factored.takes(x, bias, loss):
-        row = torch.zeros(x.shape[1], dtype=torch.float32, device=dev) if grads.weight is not None else None
-        smoothing = (weight.sum(0, dtype=torch.float32), row)
     for start, stop in plan.bounds:
         xc, z = x[start:stop], buf[: stop - start]
         t = teachers.dense_chunk(loss, teacher, start, stop, t_buf)
         y = None if labels is None else labels[start:stop]
         topk = None if teacher.indices is None else (teacher.target[start:stop], teacher.indices[start:stop])
-        exp = None
-        if factored is not None:
-            colsum = None if smoothing is None else smoothing[0]
-            exp = factored.exp_logits(xc, weight, bias, local_labels(y, v0, loss), loss, z, colsum)
+        exp = None if factored is None else factored.exp_logits(xc, weight, bias, local_labels(y, v0, loss), loss, z)
         if exp is not None:
             row_loss[start:stop] = _factored_chunk(factored, exp, z, xc, weight, y, keep[start:stop], topk, v0,
-                                                   grads, start, weights, loss, layout, v_total, smoothing)  # fmt: skip
+                                                   grads, start, weights, loss, layout, v_total)  # fmt: skip
             continue
         stats = None
         if fused_logits is not None:
@@ -240,8 +226,6 @@ def forward(
         if grads.bias is not None:
             grads.bias.add_(z.sum(0, dtype=torch.float32))
 
-    if smoothing is not None and smoothing[1] is not None and grads.weight is not None:
-        grads.weight.add_(smoothing[1])  # every row of the head: the smoothing's rank-1 term
     unscale = weights[2]
     if unscale is not None:  # float16; exact: a power of two
         for grad in (grads.x, grads.weight, grads.bias):

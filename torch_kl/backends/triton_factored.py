@@ -23,16 +23,12 @@ A column tile whose maximum leaves the window takes that maximum as its shift in
 :func:`settle` rescales the rows holding such tiles to ``s_r`` = the row's maximum (one program
 a row; the others do nothing). No host synchronisation. The top-k teacher's math needs the
 logits at its tokens: ``log E`` plus the shift gives them back (closer than bfloat16 logits),
-and a dot product where ``E`` flushed to zero. Label smoothing adds ``gamma_r = -c_hard
-logit_scale eps / V`` to every entry of a row (uncapped: ``f'`` is constant), a rank-1 term left
-out of ``E``: ``grad_x += gamma sum_j W_j`` and every row of ``grad_W`` gains ``gamma^T x``
-(the driver); its loss term needs ``sum_j f(z_j) = logit_scale x . sum_j W_j``.
+and a dot product where ``E`` flushed to zero.
 
-It takes bfloat16 chunks without bias: the cross-entropy, and top-k teachers uncapped (``log E``
-must give ``a`` back) with one temperature (the hard term's ``q`` is at 1); label smoothing only
-uncapped. The other losses' ``dL/dz`` is not a row scale of one exponential (a dense teacher's
-``p``, a second temperature, the capped smoothing's ``-eps/V f'(z_j)``), and float16's range is
-too narrow for ``E``.
+It takes bfloat16 chunks without bias or label smoothing: the cross-entropy, and top-k teachers
+uncapped (``log E`` must give ``a`` back) with one temperature (the hard term's ``q`` is at 1).
+The other losses' ``dL/dz`` is not a row scale of one exponential (a dense teacher's ``p``, a
+second temperature, the smoothing's ``-eps/V``), and float16's range is too narrow for ``E``.
 ``jax_kl`` has no counterpart: its logits GEMM is XLA's (see ``triton_logits``).
 """
 
@@ -57,9 +53,7 @@ LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 
 def takes(x: torch.Tensor, bias: torch.Tensor | None, loss: Loss) -> bool:
     """Whether a chunk's ``dL/dz`` factors (the module docstring), before the GEMM's own checks."""
-    if x.dtype != torch.bfloat16 or bias is not None:
-        return False
-    if loss.label_smoothing != 0.0 and loss.softcap is not None:  # -eps/V f'(z_j): not one term a row
+    if x.dtype != torch.bfloat16 or bias is not None or loss.label_smoothing != 0.0:
         return False
     if loss.soft:  # a top-k teacher, uncapped so that E gives its logits back; one temperature
         return loss.kind == "coef" and loss.softcap is None and (not loss.hard or loss.temperature == 1.0)
@@ -110,31 +104,22 @@ def _tiles_kernel(part_ptr, lse_ptr, shift_ptr, bad_ptr, rows, tiles, BR: tl.con
 
 
 @triton.jit
-def _label_logit_kernel(
-    x_ptr, w_ptr, y_ptr, colsum_ptr, out_ptr, sum_ptr, H, V, scale, cap,
-    CAPPED: tl.constexpr, SUM: tl.constexpr, BH: tl.constexpr,
-):  # fmt: skip
+def _label_logit_kernel(x_ptr, w_ptr, y_ptr, out_ptr, H, V, scale, cap, CAPPED: tl.constexpr, BH: tl.constexpr):
     """``f(x_r . W_y)`` of each row whose label lies in this vocabulary slice, else 0: one dot
-    product a row, so the epilogue does not look for the label; with ``SUM`` (uncapped),
-    ``sum_j f(z_j) = logit_scale x_r . sum_j W_j`` too."""
+    product a row, so the epilogue does not look for the label."""
     r = tl.program_id(0).to(tl.int64)
     y = tl.load(y_ptr + r)
     inside = (y >= 0) & (y < V)
     w_row = w_ptr + tl.where(inside, y, 0).to(tl.int64) * H
-    scale = tl.cast(scale, tl.float32)
     acc = tl.zeros([BH], tl.float32)
-    acc_sum = tl.zeros([BH], tl.float32)
     for start in range(0, H, BH):
         cols = start + tl.arange(0, BH)
         keep = cols < H
-        xv = tl.load(x_ptr + r * H + cols, mask=keep, other=0.0).to(tl.float32)
-        acc += xv * tl.load(w_row + cols, mask=keep, other=0.0).to(tl.float32)
-        if SUM:
-            acc_sum += xv * tl.load(colsum_ptr + cols, mask=keep, other=0.0)
-    f = _transform(tl.sum(acc, axis=0), scale, tl.cast(cap, tl.float32), CAPPED)
+        acc += tl.load(x_ptr + r * H + cols, mask=keep, other=0.0).to(tl.float32) * tl.load(
+            w_row + cols, mask=keep, other=0.0
+        ).to(tl.float32)
+    f = _transform(tl.sum(acc, axis=0), tl.cast(scale, tl.float32), tl.cast(cap, tl.float32), CAPPED)
     tl.store(out_ptr + r, tl.where(inside, f, 0.0))
-    if SUM:
-        tl.store(sum_ptr + r, scale * tl.sum(acc_sum, axis=0))
 
 
 @triton.jit
@@ -185,16 +170,11 @@ def _logits_at_kernel(
 
 
 @triton.jit
-def _scale_rows_kernel(
-    src_ptr, alpha_ptr, out_ptr, gamma_ptr, vec_ptr, H, src_stride, out_stride,
-    UNIFORM: tl.constexpr, BH: tl.constexpr,
-):  # fmt: skip
+def _scale_rows_kernel(src_ptr, alpha_ptr, out_ptr, H, src_stride, out_stride, BH: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BH + tl.arange(0, BH)
     keep = cols < H
     v = tl.load(src_ptr + r * src_stride + cols, mask=keep, other=0.0).to(tl.float32) * tl.load(alpha_ptr + r)
-    if UNIFORM:
-        v += tl.load(gamma_ptr + r) * tl.load(vec_ptr + cols, mask=keep, other=0.0)
     tl.store(out_ptr + r * out_stride + cols, v.to(out_ptr.dtype.element_ty), mask=keep)
 
 
@@ -216,12 +196,10 @@ def exp_logits(
     y: torch.Tensor | None,
     loss: Loss,
     z: torch.Tensor,
-    colsum: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, Tiles] | None:
     """Write the chunk's ``E`` into ``z`` and return ``(STATS local to this vocabulary slice,
-    Tiles)``, ``y`` the local labels (None without the hard term), ``colsum`` the head's column
-    sums in float32 (label smoothing); or ``None`` without touching ``z`` when the chunk's
-    gradient does not factor or the GEMM does not take these operands."""
+    Tiles)``, ``y`` the local labels (None without the hard term); or ``None`` without touching
+    ``z`` when the chunk's gradient does not factor or the GEMM does not take these operands."""
     from . import triton_logits  # it imports this module, for the epilogue
 
     if not (takes(x, bias, loss) and triton_logits.fits(x, weight, bias, z)):
@@ -232,15 +210,13 @@ def exp_logits(
     bad = torch.empty(rows, dtype=torch.int8, device=x.device)
     _tiles_kernel[(triton.cdiv(rows, 32),)](parts, lse, shift, bad, rows, parts.shape[1], BR=32, BT=64)
     zero = torch.zeros_like(lse)
-    logit_sum = zero if colsum is None else torch.empty_like(lse)
     if y is None:
         f_y = zero
     else:
         _label_logit_kernel[(rows,)](
-            x, weight, y, lse if colsum is None else colsum, f_y, logit_sum, h, v, loss.logit_scale,
-            loss.softcap or 1.0, CAPPED=loss.softcap is not None, SUM=colsum is not None, BH=512,
-        )  # fmt: skip
-    return torch.stack([lse, lse, zero, zero, logit_sum, f_y], dim=1), Tiles(parts[1], width, shift, bad)
+            x, weight, y, f_y, h, v, loss.logit_scale, loss.softcap or 1.0, CAPPED=loss.softcap is not None, BH=512
+        )
+    return torch.stack([lse, lse, zero, zero, zero, f_y], dim=1), Tiles(parts[1], width, shift, bad)
 
 
 def logits_at(
@@ -269,16 +245,14 @@ def settle(
     loss: Loss,
     sparse: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     set_at: Callable | None = None,
-    uniform: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Make ``z`` the chunk's ``E`` and return ``alpha``. ``beta``: the rows' factor of ``q`` in
     ``dL/dz`` (``c_hard``, plus ``c_soft K`` with a top-k teacher); ``stats`` their combined
     ``STATS``; ``y`` the local labels (None without the hard term); ``sparse``: ``(at, values,
     mask)``, the top-k teacher's ``dL/dz`` at its tokens, written with ``set_at``
-    (``fused_kl.chunk.ChunkOps``); ``uniform``: label smoothing's ``-c_hard logit_scale eps / V``,
-    common to every entry of a row and left out of ``E`` (the caller adds it). Rows out of the
-    window are rescaled; rows with no dense part (``beta = 0``) but sparse values are zeroed
-    first; the label entries are written, then the sparse ones."""
+    (``fused_kl.chunk.ChunkOps``). Rows out of the window are rescaled; rows with no dense part
+    (``beta = 0``) but sparse values are zeroed first; the label entries are written, then the
+    sparse ones."""
     rows, v = z.shape
     flags, dense = tiles.bad, beta
     if sparse is not None:
@@ -290,33 +264,25 @@ def settle(
     lse = stats[:, 0]  # at T: the exponent's; the same as the hard term's where both are used
     alpha = dense * loss.logit_scale * torch.exp(tiles.shift - lse)
     divisor = torch.where(alpha == 0, 1.0, alpha)
-    if y is not None:  # dL/dz_y = logit_scale u_y (beta q_y - c_hard (1 - eps)) + uniform
+    if y is not None:  # dL/dz_y = logit_scale u_y (beta q_y - c_hard)
         f_y = stats[:, 5]
         inside = (y >= 0) & (y < v)
         at_y = torch.where(inside, y, 0)[:, None]
         u_y = 1.0 if loss.softcap is None else 1.0 - (f_y / loss.softcap) ** 2
-        hard = c_hard * (1.0 - loss.label_smoothing)
-        label = loss.logit_scale * u_y * (beta * torch.exp(f_y - stats[:, 1]) - hard) / divisor
+        label = loss.logit_scale * u_y * (beta * torch.exp(f_y - stats[:, 1]) - c_hard) / divisor
         z.scatter_(1, at_y, torch.where(inside, label, z.gather(1, at_y)[:, 0].float())[:, None].to(z.dtype))
     if sparse is not None:
-        values = values if uniform is None else values - uniform[:, None]
         set_at(z, at, values / divisor[:, None], mask)
     return alpha
 
 
-def scale_rows(
-    src: torch.Tensor, alpha: torch.Tensor, out: torch.Tensor, uniform: tuple[torch.Tensor, torch.Tensor] | None = None
-) -> torch.Tensor:
-    """``out = diag(alpha) src (+ gamma vec^T)`` in ``out``'s dtype, in float32, ``uniform`` being
-    ``(gamma [rows], vec [H])``; ``src``'s rows contiguous (``out``'s too, else through a copy)."""
+def scale_rows(src: torch.Tensor, alpha: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out = diag(alpha) src`` in ``out``'s dtype, the product in float32; ``src``'s rows
+    contiguous (``out``'s too, else it is written through a copy)."""
     rows, h = src.shape
     if out.stride(-1) != 1:
-        fresh = torch.empty(out.shape, dtype=out.dtype, device=out.device)
-        return out.copy_(scale_rows(src, alpha, fresh, uniform))
+        return out.copy_(scale_rows(src, alpha, torch.empty(out.shape, dtype=out.dtype, device=out.device)))
     if rows:
-        gamma, vec = (alpha, alpha) if uniform is None else uniform
         grid = (rows, triton.cdiv(h, 1024))
-        _scale_rows_kernel[grid](
-            src, alpha, out, gamma, vec, h, src.stride(0), out.stride(0), UNIFORM=uniform is not None, BH=1024
-        )
+        _scale_rows_kernel[grid](src, alpha, out, h, src.stride(0), out.stride(0), BH=1024)
     return out
