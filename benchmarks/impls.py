@@ -137,7 +137,7 @@ def _liger(mode: Mode, accum_dtype: torch.dtype | None = None) -> LossFn:
 
 
 def _fused(package: str, mode: Mode, **options: Any) -> LossFn:
-    """``fused_linear_kl_div`` (or ``fused_linear_cross_entropy`` for ``ce``) of ``torch_kl`` or ``jax_kl``."""
+    """``fused_linear_kl_div`` (``fused_linear_cross_entropy`` without a teacher) of ``torch_kl`` or ``jax_kl``."""
     api = importlib.import_module(package)
     if mode.teacher is None:
         return lambda x, w, a: api.fused_linear_cross_entropy(x, w, a["labels"], **mode.options, **options)

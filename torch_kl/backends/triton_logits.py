@@ -10,10 +10,11 @@ the values the later phases read.
 It serves every chunk whose ``stats`` phase reads no dense teacher (``Loss.stats_read_teacher``):
 the cross-entropy, top-k teachers, and reverse KL and JSD on probabilities. For the chunks whose
 ``dL/dz`` factors (``triton_factored``: the bfloat16 cross-entropy and top-k teachers) the
-epilogue writes ``exp(f(z) / T - shift)`` from the float32 accumulator instead of the logits. Where the statistics
-need the teacher, the epilogue would read the teacher's tile after the GEMM's main loop,
-exposed, and on the H200 that cost as much as the ``stats`` kernel's pass saves; the teacher
-head's log-sum-exp in its own GEMM's epilogue was a wash too (benchmarks/RESULTS.md).
+epilogue writes ``exp(f(z) / T - shift)`` from the float32 accumulator instead of the logits.
+Where the statistics need the teacher, the epilogue would read the teacher's tile after the
+GEMM's main loop, exposed, and on the H200 that cost as much as the ``stats`` kernel's pass
+saves; the teacher head's log-sum-exp in its own GEMM's epilogue was a wash too
+(benchmarks/RESULTS.md).
 
 On Hopper the tiles move by TMA (tensor descriptors); elsewhere (the CPU interpreter's tests)
 by masked pointer loads. Inputs the kernel does not take get ``None`` back, and the caller runs
