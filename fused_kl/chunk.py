@@ -44,6 +44,40 @@ def stats_teacher(t: Any | None, loss: Loss) -> Any | None:
     return t if loss.stats_read_teacher else None
 
 
+def topk_part(
+    logits_at: Callable[[Any, Any], Any],
+    topk: tuple[Any, Any],
+    y: Any | None,
+    keep: Any,
+    v0: Any,
+    v_local: int,
+    stats: Any,
+    weights: tuple[Any, Any, Any],
+    loss: Loss,
+    v_total: int,
+    layout: Any,
+    ops: ChunkOps,
+) -> tuple[Any, Any, Any, Any, Any]:
+    """The top-k teacher's ``[rows, k]`` part of a chunk (``rowmath.topk``): ``(soft loss per
+    row, dense factor K, columns at, dL/dz there, where to write it)``. ``logits_at(at, local)``
+    gives the student's raw logits at the columns ``at`` of this vocabulary slice of ``v_local``
+    columns, valid where ``local``; ``stats`` are the rows' combined ``STATS``."""
+    xp = ops.xp
+    log_p, idx = topk
+    local = (idx >= v0) & (idx < v0 + v_local)
+    at = xp.where(local, idx - v0, 0)
+    is_label = idx == y[:, None] if loss.hard else False
+    scales = rowmath.row_scales(keep, weights, loss, xp)
+    soft, k, g_at = rowmath.topk(
+        logits_at(at, local), local, ops.f32(log_p), is_label, (stats[:, 0], stats[:, 1]), scales, loss, v_total,
+        layout.vocab_sum, xp,
+    )  # fmt: skip
+    # A token id outside the whole vocabulary (only possible under jit / compile, where the
+    # values went unchecked) makes its row's loss NaN, as the contract says.
+    soft = xp.where(((idx >= 0) & (idx < v_total)).all(-1), soft, float("nan"))
+    return soft, k, at, g_at, local & ((scales[0] != 0) | (scales[1] != 0))[:, None]
+
+
 def row_phases(
     z: Any,
     t: Any,
@@ -75,17 +109,9 @@ def row_phases(
         value_sums = layout.vocab_sum(phases.value(z, t, stats, loss, tile))  # reads lse, lse_teacher
     topk_const = None
     if topk is not None:
-        log_p, idx = topk
-        local = (idx >= v0) & (idx < v0 + z.shape[1])
-        at = xp.where(local, idx - v0, 0)
-        is_label = idx == y[:, None] if loss.hard else False
-        soft, topk_const, g_at = rowmath.topk(
-            ops.gather(z, at), local, ops.f32(log_p), is_label, (stats[:, 0], stats[:, 1]),
-            rowmath.row_scales(keep, weights, loss, xp), loss, v_total, layout.vocab_sum, xp,
-        )  # fmt: skip
-        # A token id outside the whole vocabulary (only possible under jit / compile, where the
-        # values went unchecked) makes its row's loss NaN, as the contract says.
-        soft = xp.where(((idx >= 0) & (idx < v_total)).all(-1), soft, float("nan"))
+        soft, topk_const, at, g_at, write = topk_part(
+            lambda at, _: ops.gather(z, at), topk, y, keep, v0, z.shape[1], stats, weights, loss, v_total, layout, ops
+        )
     coefs = rowmath.coefficients(stats, keep, value_sums, topk_const, weights, loss, xp)
     if topk is not None and write_grad:
         z, g_at = ops.settle(z, g_at)
@@ -97,7 +123,6 @@ def row_phases(
     elif topk is None:
         soft = rowmath.soft_rows(kind, value_sums, None, loss.beta) if loss.soft else None
     if topk is not None and write_grad:
-        live = (coefs[:, 4:5] != 0) | (coefs[:, 5:6] != 0)
-        g = ops.set_at(g, at, g_at, local & live)
+        g = ops.set_at(g, at, g_at, write)
     labels_ok = True if y is None else (y >= 0) & (y < v_total)
     return g, rowmath.row_losses(stats, keep, labels_ok, soft, weights, loss, v_total, xp)

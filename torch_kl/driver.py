@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from fused_kl import rowmath
-from fused_kl.chunk import ChunkOps, local_labels, row_phases, stats_teacher
+from fused_kl.chunk import ChunkOps, local_labels, row_phases, stats_teacher, topk_part
 from fused_kl.loss import Loss
 from fused_kl.options import RunOptions
 from fused_kl.plan import plan_chunks
@@ -122,8 +122,8 @@ def _allocate(x, weight, needs: Needs, run: RunOptions, has_chunks: bool, out: d
 
 
 def _factored_chunk(
-    factored, exp: tuple, z, xc, weight, y, keep, topk, v0: int, grads: Grads, start: int, weights, loss: Loss,
-    layout, v_total: int,
+    factored, exp: tuple, z, xc, weight, y, y_local, keep, topk, v0: int, grads: Grads, start: int, weights,
+    loss: Loss, layout, v_total: int,
 ) -> torch.Tensor:  # fmt: skip
     """The rows' losses of a chunk whose logits GEMM wrote ``E`` (``backends/triton_factored``),
     and its gradients: ``grad_x = diag(alpha) (E W)``, ``grad_W += E^T (diag(alpha) x)``."""
@@ -131,23 +131,17 @@ def _factored_chunk(
     stats = layout.combine_stats(local)
     c_soft, c_hard = rowmath.row_scales(keep, weights, loss, torch)
     soft, sparse, beta = None, None, c_hard
-    if topk is not None:  # the top-k teacher's part, as fused_kl.chunk.row_phases does it
-        log_p, idx = topk
-        inside = (idx >= v0) & (idx < v0 + z.shape[1])
-        at = torch.where(inside, idx - v0, 0)
-        is_label = idx == y[:, None] if loss.hard else False
-        soft, k, g_at = rowmath.topk(
-            factored.logits_at(z, tiles, at, inside, xc, weight, loss), inside, log_p.float(), is_label,
-            (stats[:, 0], stats[:, 1]), (c_soft, c_hard), loss, v_total, layout.vocab_sum, torch,
+    if topk is not None:  # the student's logits at the teacher's tokens come from E
+        soft, k, at, g_at, write = topk_part(
+            lambda at, inside: factored.logits_at(z, tiles, at, inside, xc, weight, loss),
+            topk, y, keep, v0, z.shape[1], stats, weights, loss, v_total, layout, OPS,
         )  # fmt: skip
-        soft = torch.where(((idx >= 0) & (idx < v_total)).all(-1), soft, float("nan"))
         beta = c_soft * k + (c_hard if loss.hard else 0.0)
-        sparse = (at, g_at, inside & ((c_soft != 0) | (c_hard != 0))[:, None])
+        sparse = (at, g_at, write)
     labels_ok = True if y is None else (y >= 0) & (y < v_total)
     losses = rowmath.row_losses(stats, keep, labels_ok, soft, weights, loss, v_total, torch)
     if grads.x is None and grads.weight is None:
         return losses
-    y_local = local_labels(y, v0, loss)
     alpha = factored.settle(z, tiles, stats, beta, c_hard, y_local, loss, sparse, OPS.set_at)
     if grads.x is not None:
         factored.scale_rows(_mm_f32(z, weight), alpha, grads.x[start : start + z.shape[0]])
@@ -203,15 +197,16 @@ def forward(
         xc, z = x[start:stop], buf[: stop - start]
         t = teachers.dense_chunk(loss, teacher, start, stop, t_buf)
         y = None if labels is None else labels[start:stop]
+        y_local = local_labels(y, v0, loss)
         topk = None if teacher.indices is None else (teacher.target[start:stop], teacher.indices[start:stop])
-        exp = None if factored is None else factored.exp_logits(xc, weight, bias, local_labels(y, v0, loss), loss, z)
+        exp = None if factored is None else factored.exp_logits(xc, weight, bias, y_local, loss, z)
         if exp is not None:
-            row_loss[start:stop] = _factored_chunk(factored, exp, z, xc, weight, y, keep[start:stop], topk, v0,
-                                                   grads, start, weights, loss, layout, v_total)  # fmt: skip
+            row_loss[start:stop] = _factored_chunk(factored, exp, z, xc, weight, y, y_local, keep[start:stop], topk,
+                                                   v0, grads, start, weights, loss, layout, v_total)  # fmt: skip
             continue
         stats = None
         if fused_logits is not None:
-            stats = fused_logits(xc, weight, bias, stats_teacher(t, loss), local_labels(y, v0, loss), loss, z)
+            stats = fused_logits(xc, weight, bias, stats_teacher(t, loss), y_local, loss, z)
         if stats is None:  # the backend has no fused logits GEMM, or not for these operands
             if bias is None:
                 torch.mm(xc, wt, out=z)
