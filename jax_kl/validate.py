@@ -54,14 +54,13 @@ def check_values(loss: Loss, labels: object, indices: object, v_total: int) -> N
     (outside ``jit``); under ``jit`` a bad row's loss is NaN instead."""
     if loss.hard and _concrete(labels) and np.size(labels):
         lab = np.asarray(labels)
-        kept = lab[lab != loss.ignore_index]
-        if kept.size:
-            check_label_values(int(kept.min()), int(kept.max()), v_total)
+        kept = np.where(lab != loss.ignore_index, lab, 0)
+        check_label_values(int(kept.min()), int(kept.max()), v_total)
     if _concrete(indices) and np.size(indices):
         idx = np.asarray(indices)
         ordered = np.sort(idx.reshape(-1, idx.shape[-1]), axis=-1)
         duplicated = bool(np.any(ordered[:, 1:] == ordered[:, :-1]))
-        check_index_values(int(ordered.min()), int(ordered.max()), duplicated, v_total)
+        check_index_values(int(ordered[:, 0].min()), int(ordered[:, -1].max()), duplicated, v_total)
 
 
 def validate(

@@ -287,3 +287,34 @@ def test_rescale_multiplies_in_float32():
             scale_(got, torch.tensor(up, device="cuda"))
             assert torch.equal(got, (grad.float() * up).to(dtype)) or up != up, (dtype, up)
             assert up == up or got.isnan().all()
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch", "pallas"])
+def test_value_checks_on_the_device_name_their_argument(backend):
+    """The eager value check's extremes come back asynchronously on a GPU and are waited for
+    once the first chunk's GEMMs are queued: bad values still raise, naming the argument, and
+    good ones give the loss of the checked-synchronously CPU call."""
+    import torch_kl
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    n, h, v, k = 300, 64, 2056, 8
+    x = torch.randn(n, h, device="cuda", generator=gen).bfloat16()
+    w = (torch.randn(v, h, device="cuda", generator=gen) / 8).bfloat16()
+    labels = torch.randint(0, v, (n,), device="cuda", generator=gen)
+    log_p = torch.randn(n, k, device="cuda", generator=gen).log_softmax(-1) - 1.0
+    idx = torch.stack([torch.randperm(v, device="cuda", generator=gen)[:k] for _ in range(n)])
+    bad_label = labels.clone()
+    bad_label[n - 1] = v
+    dup = idx.clone()
+    dup[n // 2, 1] = dup[n // 2, 0]
+    topk = {"target_format": "topk_log_probs", "weight_hard_loss": 0.5, "backend": backend}
+    with pytest.raises(ValueError, match=r"^labels: .* got 2056"):
+        torch_kl.fused_linear_cross_entropy(x, w, bad_label, backend=backend)
+    with pytest.raises(ValueError, match=r"^target_indices: expected distinct"):
+        torch_kl.fused_linear_kl_div(x, w, log_p, labels, target_indices=dup, **topk)
+    with pytest.raises(ValueError, match=r"^labels: "):
+        torch_kl.fused_linear_kl_div(x, w, log_p, bad_label, target_indices=idx, **topk)
+    got = torch_kl.fused_linear_kl_div(x, w, log_p, labels, target_indices=idx, **topk)
+    cpu = torch_kl.fused_linear_kl_div(*(a.cpu() for a in (x, w, log_p, labels)), target_indices=idx.cpu(),
+                                       **{**topk, "backend": "torch"})  # fmt: skip
+    assert abs(float(got) - float(cpu)) <= 1e-2 * abs(float(cpu)), (float(got), float(cpu))

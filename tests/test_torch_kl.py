@@ -99,6 +99,50 @@ def test_frozen_head_skips_the_weight_gemm(monkeypatch: pytest.MonkeyPatch, fmt:
     assert w.grad is None and x.grad is not None
 
 
+@pytest.mark.parametrize("backend", NAMES)
+@pytest.mark.parametrize("grad", [True, False])
+def test_the_value_check_is_waited_for_before_labels_are_read(
+    monkeypatch: pytest.MonkeyPatch, backend: str, grad: bool
+) -> None:
+    """The eager value check's ``wait()`` runs once per call, after the first chunk's GEMMs are
+    queued and before anything reads the labels or token ids; what it raises reaches the caller."""
+    import torch_kl.validate
+
+    inp = make_inputs(10, 5, 23, target_format="topk_log_probs", k=4)
+    x, w, t, lab, _, teacher = _tensors(inp, requires_grad=grad)
+    events: list[str] = []
+    real_local_labels, real_check = torch_kl.driver.local_labels, torch_kl.validate.check_values
+    real_mm = torch.mm
+
+    def local_labels(*args):
+        events.append("labels")
+        return real_local_labels(*args)
+
+    def mm(*args, **kwargs):
+        events.append("gemm")
+        return real_mm(*args, **kwargs)
+
+    def check_values(*args):
+        wait = real_check(*args)
+        assert wait is not None
+        return lambda: (events.append("wait"), wait())
+
+    monkeypatch.setattr(torch_kl.driver, "local_labels", local_labels)
+    monkeypatch.setattr(torch_kl.validate, "check_values", check_values)
+    call = dict(backend=backend, chunk_size=4, weight_hard_loss=0.5, **teacher)
+    with monkeypatch.context() as m:
+        m.setattr(torch, "mm", mm)  # the torch backend's logits GEMM (Triton's fused one is not seen)
+        torch_kl.fused_linear_kl_div(x, w, t, lab, **call)
+    assert events.count("wait") == 1
+    assert "labels" not in events[: events.index("wait")]
+    if backend == "torch":
+        assert events[0] == "gemm"
+    bad = lab.clone()
+    bad[3] = 23
+    with pytest.raises(ValueError, match=r"^labels: "):
+        torch_kl.fused_linear_kl_div(x, w, t, bad, **call)
+
+
 def test_teacher_gets_no_gradient() -> None:
     inp = make_inputs(6, 4, 17, target_format="hidden", teacher_bias=True)
     x, w, t, lab, _, teacher = _tensors(inp)

@@ -3,6 +3,7 @@ backend, run under autograd."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -28,7 +29,7 @@ def _autocast(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
 
 
 def _run(arrays: dict[str, Any], layout: Layout, with_teacher: bool, options: dict[str, Any]) -> torch.Tensor:
-    shapes, loss, run = validate(arrays, layout, with_teacher=with_teacher, **options)
+    shapes, loss, run, wait = validate(arrays, layout, with_teacher=with_teacher, **options)
     x, weight, bias = _autocast(arrays["x"], arrays["weight"], arrays["bias"])
     n = shapes.n
     x2 = x.reshape(n, shapes.h)
@@ -41,6 +42,8 @@ def _run(arrays: dict[str, Any], layout: Layout, with_teacher: bool, options: di
     tw, tb = arrays.get("teacher_weight"), arrays.get("teacher_bias")
     tw, tb = (None if a is None else a.detach() for a in (tw, tb))
     compute = compute_of(run.backend)
+    if wait is not None:  # the eager value check, waited for once the first GEMMs are queued
+        compute = functools.partial(compute, ready=wait)
     with torch.autocast(x.device.type, enabled=False):
         grad_wanted = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
         teacher = TeacherArrays(target2, tw, tb, idx2)

@@ -7,6 +7,7 @@ logits and, after the ``finish`` phase, for its ``dL/dz``. ``jax_kl/driver.py`` 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -170,10 +171,13 @@ def forward(
     layout: Layout,
     needs: Needs,
     out: dict[str, torch.Tensor] | None = None,
+    ready: Callable[[], None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Loss and the needed gradients of 2-D inputs ``x [N, H]``, ``labels [N]`` and a teacher.
 
-    ``out`` may hold preallocated ``loss``/``grad_x``/``grad_weight``/``grad_bias`` to write into.
+    ``out`` may hold preallocated ``loss``/``grad_x``/``grad_weight``/``grad_bias`` to write into;
+    ``ready()``, if given, runs before any kernel reads ``labels`` or the teacher's token ids (it
+    raises on bad values: the eager value check's wait, ``torch_kl.validate.check_values``).
     """
     out = out or {}
     n = x.shape[0]
@@ -182,38 +186,53 @@ def forward(
     plan = plan_chunks(n, v, x.element_size(), run.chunk_size, teachers.buffers(loss))
     phases = phases_of(run.backend)
 
+    rows = plan.chunk_rows if n else 0
+    buf = torch.empty(rows, v, dtype=x.dtype, device=dev)  # logits, then dL/dz in place
+    t_buf = torch.empty(rows, v, dtype=teacher.target.dtype, device=dev) if teachers.buffers(loss) == 2 else None
+    fused_logits, factored = fused_logits_of(run.backend), factored_of(run.backend)
+
+    def logits(start: int, stop: int) -> tuple:
+        """The chunk's GEMMs (the teacher head's, then the student's), which read no label nor
+        token id: ``(teacher chunk, E's (stats, tiles) if factored, stats if the GEMM made
+        them)``; ``stats(y_local)`` completes the statistics, reading the labels."""
+        xc, z = x[start:stop], buf[: stop - start]
+        t = teachers.dense_chunk(loss, teacher, start, stop, t_buf)
+        exp = None if factored is None else factored.exp_logits(xc, weight, bias, loss, z)
+        if exp is not None:
+            return t, exp, None
+        stats = None if fused_logits is None else fused_logits(xc, weight, bias, stats_teacher(t, loss), loss, z)
+        if stats is None:  # the backend has no fused logits GEMM, or not for these operands
+            if bias is None:
+                torch.mm(xc, weight.t(), out=z)
+            else:
+                torch.addmm(bias, xc, weight.t(), out=z)
+        return t, None, stats
+
+    # The first chunk's GEMMs are queued before the host waits for the eager value check
+    # (``ready``) and before the call's small setup kernels: the GPU runs them meanwhile
+    # instead of idling until the host launches its next kernel.
+    first = logits(*plan.bounds[0]) if plan.bounds else None
+    if ready is not None:
+        ready()
     keep = torch.ones(n, dtype=torch.bool, device=dev) if labels is None else labels != loss.ignore_index
     kept = layout.batch_sum(keep.sum(dtype=torch.float32))
     weights = rowmath.scales(kept, loss, v_total, x.dtype == torch.float16, torch)
     grads = _allocate(x, weight, needs, run, bool(plan.bounds), out)
     row_loss = torch.empty(n, dtype=torch.float32, device=dev)
-    wt = weight.t()
-
-    rows = plan.chunk_rows if n else 0
-    buf = torch.empty(rows, v, dtype=x.dtype, device=dev)  # logits, then dL/dz in place
-    t_buf = torch.empty(rows, v, dtype=teacher.target.dtype, device=dev) if teachers.buffers(loss) == 2 else None
-    fused_logits, factored = fused_logits_of(run.backend), factored_of(run.backend)
     for start, stop in plan.bounds:
         xc, z = x[start:stop], buf[: stop - start]
-        t = teachers.dense_chunk(loss, teacher, start, stop, t_buf)
+        t, exp, stats = first if start == 0 else logits(start, stop)
         y = None if labels is None else labels[start:stop]
         y_local = local_labels(y, v0, loss)
         topk = None if teacher.indices is None else (teacher.target[start:stop], teacher.indices[start:stop])
-        exp = None if factored is None else factored.exp_logits(xc, weight, bias, y_local, loss, z)
         if exp is not None:
+            exp = exp[0](y_local), exp[1]
             row_loss[start:stop] = _factored_chunk(factored, exp, z, xc, weight, y, y_local, keep[start:stop], topk,
                                                    v0, grads, start, weights, loss, layout, v_total)  # fmt: skip
             continue
-        stats = None
-        if fused_logits is not None:
-            stats = fused_logits(xc, weight, bias, stats_teacher(t, loss), y_local, loss, z)
-        if stats is None:  # the backend has no fused logits GEMM, or not for these operands
-            if bias is None:
-                torch.mm(xc, wt, out=z)
-            else:
-                torch.addmm(bias, xc, wt, out=z)
+        local_stats = None if stats is None else stats(y_local)
         _, row_loss[start:stop] = row_phases(z, t, y, keep[start:stop], topk, v0, v_total, weights, loss, layout,
-                                             phases, plan.tile, needs.any, OPS, stats)  # fmt: skip
+                                             phases, plan.tile, needs.any, OPS, local_stats)  # fmt: skip
         if grads.x is not None:
             torch.mm(z, weight, out=grads.x[start:stop])
         if grads.weight is not None:

@@ -1,9 +1,11 @@
-"""Check every argument against docs/contract.md before any kernel runs."""
+"""Check every argument against docs/contract.md before any kernel runs (labels' and top-k
+indices' values: before any kernel reads them, see :func:`check_values`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import zlib
+from collections.abc import Callable
 
 import torch
 
@@ -64,28 +66,63 @@ def _concrete() -> bool:
     return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
-def check_values(loss: Loss, labels: torch.Tensor | None, indices: torch.Tensor | None, v_total: int) -> None:
+def check_values(
+    loss: Loss, labels: torch.Tensor | None, indices: torch.Tensor | None, v_total: int
+) -> Callable[[], None] | None:
     """Value checks of labels (hard term) and top-k indices, in eager mode only: under
-    ``torch.compile`` a bad row's loss is NaN instead (reading values would break the graph)."""
+    ``torch.compile`` a bad row's loss is NaN instead (reading values would break the graph).
+
+    Returns ``wait()``, which raises on a bad value (None when there is nothing to check). The
+    extremes and the duplicate flag are reduced on the device and copied back in one transfer,
+    asynchronously on a GPU: the driver queues the first chunk's GEMMs, which read neither,
+    before it waits, so the GPU works while the host waits instead of idling after it.
+    """
     if not _concrete():
-        return
-    if loss.hard and labels is not None and labels.numel():
-        kept = labels[labels != loss.ignore_index]
-        if kept.numel():
-            check_label_values(int(kept.min()), int(kept.max()), v_total)
-    if indices is not None and indices.numel():
-        ordered = indices.reshape(-1, indices.shape[-1]).sort(-1).values
-        duplicated = bool((ordered[:, 1:] == ordered[:, :-1]).any()) if ordered.shape[-1] > 1 else False
-        check_index_values(int(ordered.min()), int(ordered.max()), duplicated, v_total)
+        return None
+    parts = []
+    check_labels = loss.hard and labels is not None and labels.numel() > 0
+    if check_labels:
+        kept = torch.where(labels != loss.ignore_index, labels, 0)  # type: ignore[operator]
+        parts += [kept.min(), kept.max()]
+    check_indices = indices is not None and indices.numel() > 0
+    if check_indices:
+        ordered = indices.reshape(-1, indices.shape[-1]).sort(-1).values  # type: ignore[union-attr]
+        duplicated = (ordered[:, 1:] == ordered[:, :-1]).any()
+        parts += [ordered[:, 0].min(), ordered[:, -1].max(), duplicated]
+    if not parts:
+        return None
+    summary = torch.stack([p.to(torch.int64) for p in parts])
+    done = None
+    if summary.is_cuda:
+        host = torch.empty(summary.shape, dtype=torch.int64, pin_memory=True)
+        host.copy_(summary, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        summary = host
+
+    def wait() -> None:
+        if done is not None:
+            done.synchronize()
+        values = summary.tolist()
+        if check_labels:
+            check_label_values(values[0], values[1], v_total)
+            values = values[2:]
+        if check_indices:
+            check_index_values(values[0], values[1], bool(values[2]), v_total)
+
+    return wait
 
 
 def validate(
     arrays: dict[str, object], layout: Layout, *, accum_dtype: object, with_teacher: bool = True, **options: object
-) -> tuple[Shapes, Loss, RunOptions]:
-    """Check every argument; return the problem's sizes, the loss and the run options.
+) -> tuple[Shapes, Loss, RunOptions, Callable[[], None] | None]:
+    """Check every argument; return the problem's sizes, the loss, the run options and the
+    value check's ``wait()`` (see :func:`check_values`; the caller runs it before any kernel
+    reads labels or token ids).
 
-    With a group, the ranks then compare their calls (``Layout.agree``): a rank whose own
-    arguments are rejected still takes part, so that every rank raises instead of hanging.
+    With a group, the value check is waited for here and the ranks then compare their calls
+    (``Layout.agree``): a rank whose own arguments are rejected still takes part, so that every
+    rank raises instead of hanging.
     """
     if not layout.distributed:
         return _validate(arrays, layout, accum_dtype, with_teacher, options)
@@ -93,12 +130,14 @@ def validate(
     device = x.device if isinstance(x, torch.Tensor) else torch.device("cpu")
     layout.check_groups()
     try:
-        result = _validate(arrays, layout, accum_dtype, with_teacher, options)
+        shapes, loss, run, wait = _validate(arrays, layout, accum_dtype, with_teacher, options)
+        if wait is not None:
+            wait()
     except (TypeError, ValueError):
         layout.agree(None, device)
         raise
-    layout.agree(_facts(arrays, *result), device)
-    return result
+    layout.agree(_facts(arrays, shapes, loss, run), device)
+    return shapes, loss, run, None
 
 
 def _facts(arrays: dict[str, object], shapes: Shapes, loss: Loss, run: RunOptions) -> tuple[int, ...]:
@@ -114,7 +153,7 @@ def _facts(arrays: dict[str, object], shapes: Shapes, loss: Loss, run: RunOption
 
 def _validate(
     arrays: dict[str, object], layout: Layout, accum_dtype: object, with_teacher: bool, options: dict[str, object]
-) -> tuple[Shapes, Loss, RunOptions]:
+) -> tuple[Shapes, Loss, RunOptions, Callable[[], None] | None]:
     if accum_dtype is not None and not isinstance(accum_dtype, torch.dtype):
         raise TypeError(
             f"accum_dtype: expected None or a torch.dtype, got {type(accum_dtype).__name__} {accum_dtype!r}"
@@ -138,5 +177,5 @@ def _validate(
         )
     if chosen.name == "pallas" and arrays.get("labels") is not None:
         check_int32_ignore_index(loss.ignore_index, "backend 'pallas' hands the labels to JAX as int32")
-    check_values(loss, arrays.get("labels"), arrays.get("target_indices"), shapes.v * shards)  # type: ignore[arg-type]
-    return shapes, loss, dataclasses.replace(run, backend=chosen.name)
+    wait = check_values(loss, arrays.get("labels"), arrays.get("target_indices"), shapes.v * shards)  # type: ignore[arg-type]
+    return shapes, loss, dataclasses.replace(run, backend=chosen.name), wait

@@ -44,8 +44,13 @@ def _jitted_forward():
     return jax.jit(forward, static_argnames=("loss", "run", "layout", "with_grads"))
 
 
-def torch_through_pallas(x, weight, bias, teacher, labels, loss: Loss, run: RunOptions, layout, needs) -> tuple:
-    """``torch_kl``'s compute for backend ``"pallas"``: the same outputs as ``torch_kl.driver.forward``."""
+def torch_through_pallas(
+    x, weight, bias, teacher, labels, loss: Loss, run: RunOptions, layout, needs, ready=None
+) -> tuple:  # fmt: skip
+    """``torch_kl``'s compute for backend ``"pallas"``: the same outputs as ``torch_kl.driver.forward``
+    (``ready()``, the value check's wait, runs first: JAX's program reads the labels at once)."""
+    if ready is not None:
+        ready()
     from jax_kl.layout import SINGLE
     from jax_kl.teachers import TeacherArrays
 

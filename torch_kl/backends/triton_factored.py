@@ -190,33 +190,34 @@ class Tiles:
 
 
 def exp_logits(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    y: torch.Tensor | None,
-    loss: Loss,
-    z: torch.Tensor,
-) -> tuple[torch.Tensor, Tiles] | None:
-    """Write the chunk's ``E`` into ``z`` and return ``(STATS local to this vocabulary slice,
-    Tiles)``, ``y`` the local labels (None without the hard term); or ``None`` without touching
-    ``z`` when the chunk's gradient does not factor or the GEMM does not take these operands."""
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, loss: Loss, z: torch.Tensor
+) -> tuple[Callable[[torch.Tensor | None], torch.Tensor], Tiles] | None:
+    """Write the chunk's ``E`` into ``z`` and return ``(stats, Tiles)``: ``stats(y)`` makes the
+    ``STATS`` local to this vocabulary slice, ``y`` the local labels (None without the hard
+    term; only it reads them). ``None`` without touching ``z`` when the chunk's gradient does
+    not factor or the GEMM does not take these operands."""
     from . import triton_logits  # it imports this module, for the epilogue
 
     if not (takes(x, bias, loss) and triton_logits.fits(x, weight, bias, z)):
         return None
-    parts, width = triton_logits.launch(x, weight, None, y, loss, z, exp=True)
+    parts, width = triton_logits.launch(x, weight, None, loss, z, exp=True)
     (rows, h), v = x.shape, weight.shape[0]
-    lse, shift, f_y = (torch.empty(rows, dtype=torch.float32, device=x.device) for _ in range(3))
+    lse, shift = (torch.empty(rows, dtype=torch.float32, device=x.device) for _ in range(2))
     bad = torch.empty(rows, dtype=torch.int8, device=x.device)
     _tiles_kernel[(triton.cdiv(rows, 32),)](parts, lse, shift, bad, rows, parts.shape[1], BR=32, BT=64)
-    zero = torch.zeros_like(lse)
-    if y is None:
+
+    def stats(y: torch.Tensor | None) -> torch.Tensor:
+        zero = torch.zeros_like(lse)
         f_y = zero
-    else:
-        _label_logit_kernel[(rows,)](
-            x, weight, y, f_y, h, v, loss.logit_scale, loss.softcap or 1.0, CAPPED=loss.softcap is not None, BH=512
-        )
-    return torch.stack([lse, lse, zero, zero, zero, f_y], dim=1), Tiles(parts[1], width, shift, bad)
+        if y is not None:
+            f_y = torch.empty_like(lse)
+            _label_logit_kernel[(rows,)](
+                x, weight, y, f_y, h, v, loss.logit_scale, loss.softcap or 1.0, CAPPED=loss.softcap is not None,
+                BH=512,
+            )  # fmt: skip
+        return torch.stack([lse, lse, zero, zero, zero, f_y], dim=1)
+
+    return stats, Tiles(parts[1], width, shift, bad)
 
 
 def logits_at(

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 
 import torch
 import triton
@@ -162,9 +163,8 @@ def fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, z: to
 
 
 def launch(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor | None, loss: Loss,
-    z: torch.Tensor, exp: bool,
-) -> tuple[torch.Tensor, int]:  # fmt: skip
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, loss: Loss, z: torch.Tensor, exp: bool
+) -> tuple[torch.Tensor, int]:
     """Run the kernel; ``(the column tiles' partial statistics [PARTS, tiles, rows], tile width)``."""
     (m, k), v = x.shape, weight.shape[0]
     interpreted = _interpreted(x.device)
@@ -188,7 +188,7 @@ def launch(
         # exp: the exponent is the soft term's f / T with a (top-k) teacher, the hard term's f without
         *operands, z if bias is None else bias, parts, m, v, k, common["inv_t"] if loss.soft or not exp else 1.0,
         common["scale"], common["cap"],
-        CAPPED=common["CAPPED"], SUM_F=_sums_f(y, loss), EXP=exp,
+        CAPPED=common["CAPPED"], SUM_F=_sums_f(loss), EXP=exp,
         HARD_LSE=loss.separate_hard_lse, HAS_BIAS=bias is not None,
         TMA=tma, F16=x.dtype == torch.float16, UPCAST=bf16_interpreted, BM=bm, BN=bn, BK=bk, NPROG=programs, **cfg,
     )  # fmt: skip
@@ -200,22 +200,22 @@ def logits_with_stats(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     t: torch.Tensor | None,
-    y: torch.Tensor | None,
     loss: Loss,
     z: torch.Tensor,
-) -> torch.Tensor | None:
-    """Write the chunk's logits ``x W^T (+ bias)`` into ``z`` and return their ``STATS`` (local
-    to this vocabulary slice; ``y`` the local labels), or ``None`` without touching ``z`` when
-    the fused GEMM does not take these operands or the ``stats`` phase must read a dense teacher
-    ``t`` (``fused_kl.chunk.stats_teacher``)."""
+) -> Callable[[torch.Tensor | None], torch.Tensor] | None:
+    """Write the chunk's logits ``x W^T (+ bias)`` into ``z`` and return ``stats(y)``, which makes
+    their ``STATS`` (local to this vocabulary slice; ``y`` the local labels, read only there);
+    or ``None`` without touching ``z`` when the fused GEMM does not take these operands or the
+    ``stats`` phase must read a dense teacher ``t`` (``fused_kl.chunk.stats_teacher``)."""
     if t is not None or not fits(x, weight, bias, z):
         return None
-    return _combine(launch(x, weight, bias, y, loss, z, exp=False)[0], z, y, loss)
+    parts = launch(x, weight, bias, loss, z, exp=False)[0]
+    return lambda y: _combine(parts, z, y, loss)
 
 
-def _sums_f(y: torch.Tensor | None, loss: Loss) -> bool:
+def _sums_f(loss: Loss) -> bool:
     """Whether the row statistics need ``sum f(z)``: only label smoothing's term reads it."""
-    return y is not None and loss.label_smoothing != 0.0
+    return loss.hard and loss.label_smoothing != 0.0
 
 
 def _combine(parts: torch.Tensor, z: torch.Tensor, y: torch.Tensor | None, loss: Loss) -> torch.Tensor:
@@ -232,7 +232,7 @@ def _combine(parts: torch.Tensor, z: torch.Tensor, y: torch.Tensor | None, loss:
             lse(1) if loss.separate_hard_lse else lse_z,
             zero,
             zero,
-            parts[2].sum(0) if _sums_f(y, loss) else zero,
+            parts[2].sum(0) if _sums_f(loss) else zero,
             zero if y is None else rowmath.label_logit(z, y, loss, lambda a, at: a.gather(1, at).float(), torch),
         ],
         dim=1,
