@@ -186,6 +186,24 @@ def _torch_kl_without(**off: bool) -> Callable[[Inputs], Prepared]:
     return make
 
 
+def _torch_kl_unchecked(inputs: Inputs) -> Prepared:
+    """The Triton backend without the eager value check of labels and top-k indices (as under
+    ``torch.compile``, where values are not read): what the check costs, priced in one run."""
+    from torch_kl import validate
+
+    prepared = _torch_kl("triton").make(inputs)
+    concrete = validate._concrete
+
+    def step() -> tuple[Any, Any]:
+        validate._concrete = lambda: False
+        try:
+            return prepared.step()
+        finally:
+            validate._concrete = concrete
+
+    return dataclasses.replace(prepared, step=step)
+
+
 def build() -> dict[str, Impl]:
     """Every implementation, by name, the floor first (the registries are imported here)."""
     impls = {
@@ -213,6 +231,7 @@ def build() -> dict[str, Impl]:
         impls["torch_kl/triton-cublas-logits"] = Impl("torch", _torch_kl_without(fused_logits=False))
         # the statistics in the GEMM's epilogue, `dL/dz` written by `finish` (cross-entropy: not factored)
         impls["torch_kl/triton-unfactored"] = Impl("torch", _torch_kl_without(factored=False))
+        impls["torch_kl/triton-unchecked"] = Impl("torch", _torch_kl_unchecked)
     # XLA folds each chunk's `acc + g^T x` into a cuBLAS GEMM (beta = 1) only when its own Triton
     # GEMMs are off: `pallas_triton-cublas` shows that fold. `pallas-cublas` is what a user's
     # jit(compiler_options=...) gets on the default backend, which cannot see the option and still

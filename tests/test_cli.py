@@ -145,8 +145,8 @@ def test_bench_lists_every_registry_backend() -> None:
 
     names = list(build())
     assert names[0] == "floor"
-    variants = {"torch_kl/triton-cublas-logits", "torch_kl/triton-unfactored", "jax_kl/pallas-cublas",
-                "jax_kl/pallas_triton-cublas"}
+    variants = {"torch_kl/triton-cublas-logits", "torch_kl/triton-unfactored", "torch_kl/triton-unchecked",
+                "jax_kl/pallas-cublas", "jax_kl/pallas_triton-cublas"}
     assert variants <= set(names)
     backends = [n for n in names if "_kl/" in n and n not in variants]
     assert [n.replace("torch_kl/", "torch/").replace("jax_kl/", "jax/") for n in backends] == _registry_ids()
@@ -186,6 +186,27 @@ def test_interleave_quick_writes_table_and_plot(tmp_path, capsys) -> None:
     assert "| torch_kl/torch |" in table and "| eager |" in table
     assert matplotlib.image.imread(tmp_path / "interleave.png").shape[0] > 100
     assert interleave.main(["--quick", "--impls", "jax_kl/xla", "--out-dir", str(tmp_path)]) == 2  # not torch
+
+
+@pytest.mark.parametrize("mode", ["ce", "topk"])
+def test_unchecked_variant_skips_only_the_value_check(monkeypatch, mode: str) -> None:
+    """``torch_kl/triton-unchecked`` is ``torch_kl/triton`` without the eager value check: the
+    check makes no ``wait`` there, and the gradients are the same."""
+    import torch
+
+    import torch_kl.validate
+    from benchmarks.impls import build
+    from benchmarks.modes import MODES, make_inputs, make_weight
+
+    waits = []
+    real = torch_kl.validate.check_values
+    monkeypatch.setattr(torch_kl.validate, "check_values", lambda *a: waits.append(real(*a)) or waits[-1])
+    inputs = make_inputs(MODES[mode], make_weight(32, 256, torch.device("cpu")), 64)
+    impls = build()
+    checked = impls["torch_kl/triton"].make(inputs).step()
+    unchecked = impls["torch_kl/triton-unchecked"].make(inputs).step()
+    assert waits[0] is not None and waits[1] is None
+    assert all(torch.equal(a, b) for a, b in zip(checked, unchecked, strict=True))
 
 
 def test_bench_module_runs_from_the_repository_root() -> None:
