@@ -97,7 +97,7 @@ def check_values(
         host = torch.empty(summary.shape, dtype=torch.int64, pin_memory=True)
         host.copy_(summary, non_blocking=True)
         done = torch.cuda.Event()
-        done.record()
+        done.record(torch.cuda.current_stream(summary.device))  # the copy's stream, on the labels' GPU
         summary = host
 
     def wait() -> None:
