@@ -302,13 +302,12 @@ BAD = {
         "weight_hard_loss": 0.5, "labels": fw.array(np.array([1, -100, V, 3]), "int32")}, on_values=True),
     "hard term, kept label -1": Bad(ValueError, "labels", lambda fw: {
         "weight_hard_loss": 0.5, "labels": fw.array(np.array([1, -100, -1, 3]), "int32")}, on_values=True),
-    # both value checks in one call (one host read in torch): each still names its argument
+    # both value checks in one call (one transfer in torch): each still names its argument
     "top-k and hard term, kept label V": Bad(ValueError, "labels", _topk(
-        weight_hard_loss=0.5, labels=lambda fw: fw.array(np.array([1, -100, V, 3]), "int32")), on_values=True),
+        weight_hard_loss=0.5, labels=_indices([1, -100, V, 3])), on_values=True),
     "top-k and hard term, duplicated index": Bad(ValueError, "target_indices", _topk(
-        weight_hard_loss=0.5, labels=lambda fw: fw.array(np.array([1, -100, 2, 3]), "int32"),
-        target_indices=_indices([[0, 1, 2], [4, 3, 2], [1, 3, 1], [2, 4, 1]])), on_values=True,
-        contains=("distinct",)),
+        weight_hard_loss=0.5, labels=_indices([1, -100, 2, 3]), target_indices=_indices(
+            [[0, 1, 2], [4, 3, 2], [1, 3, 1], [2, 4, 1]])), on_values=True, contains=("distinct",)),
     "cross_entropy without labels": Bad(ValueError, "labels", _option(labels=None), expected_got=False,
                                         fn="cross_entropy"),
     "cross_entropy kept label V": Bad(ValueError, "labels", lambda fw: {
@@ -350,9 +349,8 @@ def _unchanged(before, after) -> bool:
 
 @pytest.fixture
 def no_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Make every backend's compute raise: a bad input must be refused before any of them runs.
-    A bad label or token id may be refused by the eager value check's ``ready()``, which the
-    compute runs before anything reads those values (``test_torch_kl`` checks where)."""
+    """Make every backend's compute raise: a bad input must be refused before any of them runs,
+    or (labels, token ids) by its ``ready()``, run before anything reads them (test_torch_kl)."""
 
     def ran(*args, ready=None, **kwargs):
         if ready is not None:
