@@ -126,10 +126,11 @@ def _factored_chunk(
     factored, exp: tuple, z, xc, weight, y, y_local, keep, topk, v0: int, grads: Grads, start: int, weights,
     loss: Loss, layout, v_total: int,
 ) -> torch.Tensor:  # fmt: skip
-    """The rows' losses of a chunk whose logits GEMM wrote ``E`` (``backends/triton_factored``),
-    and its gradients: ``grad_x = diag(alpha) (E W)``, ``grad_W += E^T (diag(alpha) x)``."""
-    local, tiles = exp
-    stats = layout.combine_stats(local)
+    """The rows' losses of a chunk whose logits GEMM wrote ``E`` (``exp``: ``exp_logits``'s
+    ``(stats, tiles)``, ``backends/triton_factored``), and its gradients:
+    ``grad_x = diag(alpha) (E W)``, ``grad_W += E^T (diag(alpha) x)``."""
+    local_stats, tiles = exp
+    stats = layout.combine_stats(local_stats(y_local))
     c_soft, c_hard = rowmath.row_scales(keep, weights, loss, torch)
     soft, sparse, beta = None, None, c_hard
     if topk is not None:  # the student's logits at the teacher's tokens come from E
@@ -226,7 +227,6 @@ def forward(
         y_local = local_labels(y, v0, loss)
         topk = None if teacher.indices is None else (teacher.target[start:stop], teacher.indices[start:stop])
         if exp is not None:
-            exp = exp[0](y_local), exp[1]
             row_loss[start:stop] = _factored_chunk(factored, exp, z, xc, weight, y, y_local, keep[start:stop], topk,
                                                    v0, grads, start, weights, loss, layout, v_total)  # fmt: skip
             continue
