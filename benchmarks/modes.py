@@ -3,8 +3,9 @@
 Every mode runs the same head on the same ``x``; the teacher differs:
 
 * ``kl``, ``reverse``, ``jsd``: teacher probabilities ``[N, V]`` (bf16), ``beta`` 0, 1 and 0.5;
-* ``hidden``: the teacher's hidden states ``[N, H]`` and head ``[V, H]`` (forward KL; the teacher's
-  logits are one more GEMM, so the floor is four GEMMs);
+* ``hidden``: the teacher's hidden states ``[N, 2H]`` and head ``[V, 2H]``, a teacher twice the
+  student's width (forward KL; the teacher's logits are one more GEMM, twice as long as the
+  student's, so the floor is four GEMMs);
 * ``topk``: the teacher's top-64 log-probabilities and their token ids, the rest in a tail bin;
 * ``ce``: no teacher, labels only (``fused_linear_cross_entropy``).
 
@@ -22,6 +23,8 @@ import torch
 # Rows of the teacher's logits drawn at once: bounds the fp32 temporaries of building a target.
 _TARGET_ROWS = 2048
 TOPK = 64
+# The teacher head's width as a multiple of the student's (8192 against the llama-3 head's 4096).
+TEACHER_WIDTH = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +53,8 @@ MODES = {
             "hidden",
             {"target_format": "hidden"},
             floor_gemms=4,
-            about="forward KL, teacher hidden states [N, H] and head [V, H]; floor of 4 GEMMs",
+            about=f"forward KL, teacher hidden states [N, {TEACHER_WIDTH}H] and head [V, {TEACHER_WIDTH}H]; "
+            "floor of 4 GEMMs",
         ),
         Mode(
             "topk",
@@ -127,8 +131,8 @@ def make_inputs(mode: Mode, weight: torch.Tensor, n: int) -> Inputs:
         for start, log_p in _teacher_rows(n, v, gen, dev):
             arrays["target"][start : start + len(log_p)] = log_p.exp()
     elif mode.teacher == "hidden":
-        arrays["target"] = torch.randn(n, h, generator=gen, device=dev, dtype=torch.bfloat16)
-        arrays["teacher_weight"] = make_weight(h, v, dev, seed=1)
+        arrays["target"] = torch.randn(n, TEACHER_WIDTH * h, generator=gen, device=dev, dtype=torch.bfloat16)
+        arrays["teacher_weight"] = make_weight(TEACHER_WIDTH * h, v, dev, seed=1)
     elif mode.teacher == "topk":
         k = min(TOPK, v)
         arrays["target"] = torch.empty(n, k, device=dev)

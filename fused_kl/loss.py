@@ -66,6 +66,11 @@ class Loss:
         return self.weight_hard != 0.0
 
     @property
+    def teacher_head(self) -> bool:
+        """The soft term's teacher is a head: a GEMM makes its logits per chunk, into a second buffer."""
+        return self.soft and self.teacher.format == "hidden"  # type: ignore[union-attr]
+
+    @property
     def kind(self) -> str:
         """The row kernel's divergence kind: by ``beta`` for dense teachers, else ``"coef"``."""
         if not self.soft or self.teacher.dense_format is None:  # type: ignore[union-attr]

@@ -26,11 +26,6 @@ class TeacherArrays(NamedTuple):
     indices: jax.Array | None = None
 
 
-def buffers(loss: Loss) -> int:
-    """How many ``[rows, V]`` buffers a chunk holds: the logits, and the teacher head's logits."""
-    return 2 if loss.teacher is not None and loss.teacher.format == "hidden" else 1
-
-
 def dense_chunk(loss: Loss, arrays: TeacherArrays, start: int, stop: int, rows_in: jax.Array | None = None):
     """The chunk's dense teacher as ``(array, row0)``, or None. For a teacher head, ``rows_in``
     is the chunk of its hidden states (sliced by the driver, after its barrier)."""

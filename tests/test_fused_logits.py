@@ -51,7 +51,7 @@ def test_logits_and_stats_match_the_unfused_phases(dtype, loss, hard, bias, rows
     y = y if hard else None
     inputs = [a.clone() for a in (x, w, b) if a is not None]
     z = torch.full((rows, v), float("nan"), dtype=dtype)
-    make_stats = triton_logits.logits_with_stats(x, w, b, None, loss, z)
+    make_stats = triton_logits.logits_with_stats(x, w, b, loss, z)
     assert make_stats is not None
     stats = make_stats(y)  # the labels are read only here, after the GEMM
     expected_z = x.float() @ w.float().T + (0.0 if b is None else b.float())
@@ -70,7 +70,7 @@ def test_on_the_gpu_with_partial_tiles(dtype, loss, hard, bias):
     x, w, b, y = (None if a is None else a.cuda() for a in _operands(dtype, 300, 2056, 264, bias))
     y = y if hard else None
     z = torch.full((300, 2056), float("nan"), dtype=dtype, device="cuda")
-    make_stats = triton_logits.logits_with_stats(x, w, b, None, loss, z)
+    make_stats = triton_logits.logits_with_stats(x, w, b, loss, z)
     assert make_stats is not None
     stats = make_stats(y)  # the labels are read only here, after the GEMM
     expected_z = torch.mm(x, w.T) if b is None else torch.addmm(b, x, w.T)
@@ -92,15 +92,14 @@ def test_operands_it_does_not_take_are_left_to_cublas(change):
     z = torch.zeros(8, 88, dtype=torch.bfloat16)
     x, w, z = change(x, w, z)
     before = z.clone()
-    assert triton_logits.logits_with_stats(x, w, None, None, CASES[0][0], z) is None
+    assert triton_logits.logits_with_stats(x, w, None, CASES[0][0], z) is None
     assert torch.equal(z, before)
 
 
 def test_a_dense_teacher_chunk_is_left_to_the_stats_kernel():
     x, w, _, _ = _operands(torch.float16, 8, 88, 40, False)
     z = torch.zeros(8, 88, dtype=torch.float16)
-    t = torch.softmax(torch.randn(8, 88), -1).half()
-    assert triton_logits.logits_with_stats(x, w, None, t, Loss(teacher=Teacher("probs", 1.0)), z) is None
+    assert triton_logits.logits_with_stats(x, w, None, Loss(teacher=Teacher("probs", 1.0)), z) is None
     assert not z.any()
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from fused_kl import rowmath
-from fused_kl.chunk import ChunkOps, local_labels, row_phases, stats_teacher, topk_part
+from fused_kl.chunk import ChunkOps, local_labels, row_phases, topk_part
 from fused_kl.loss import Loss
 from fused_kl.options import RunOptions
 from fused_kl.plan import plan_chunks
@@ -184,12 +184,12 @@ def forward(
     n = x.shape[0]
     v, dev = weight.shape[0], x.device
     v0, v_total = layout.vocab_start(v), v * layout.vocab_shards
-    plan = plan_chunks(n, v, x.element_size(), run.chunk_size, teachers.buffers(loss))
+    plan = plan_chunks(n, v, x.element_size(), run.chunk_size, 1 + loss.teacher_head)
     phases = phases_of(run.backend)
 
     rows = plan.chunk_rows if n else 0
     buf = torch.empty(rows, v, dtype=x.dtype, device=dev)  # logits, then dL/dz in place
-    t_buf = torch.empty(rows, v, dtype=teacher.target.dtype, device=dev) if teachers.buffers(loss) == 2 else None
+    t_buf = torch.empty(rows, v, dtype=teacher.target.dtype, device=dev) if loss.teacher_head else None
     fused_logits, factored = fused_logits_of(run.backend), factored_of(run.backend)
 
     def logits(start: int, stop: int) -> tuple:
@@ -201,7 +201,7 @@ def forward(
         exp = None if factored is None else factored.exp_logits(xc, weight, bias, loss, z)
         if exp is not None:
             return t, exp, None
-        stats = None if fused_logits is None else fused_logits(xc, weight, bias, stats_teacher(t, loss), loss, z)
+        stats = None if fused_logits is None else fused_logits(xc, weight, bias, loss, z)
         if stats is None:  # the backend has no fused logits GEMM, or not for these operands
             if bias is None:
                 torch.mm(xc, weight.t(), out=z)

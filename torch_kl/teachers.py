@@ -24,11 +24,6 @@ class TeacherArrays:
     indices: torch.Tensor | None = None
 
 
-def buffers(loss: Loss) -> int:
-    """How many ``[rows, V]`` buffers a chunk holds: the logits, and the teacher head's logits."""
-    return 2 if loss.teacher is not None and loss.teacher.format == "hidden" else 1
-
-
 def dense_chunk(loss: Loss, arrays: TeacherArrays, start: int, stop: int, buf: torch.Tensor | None):
     """The chunk's dense ``[rows, V]`` teacher (a view, or the head's logits in ``buf``), or None."""
     if loss.teacher is None or loss.teacher.dense_format is None or not loss.soft:

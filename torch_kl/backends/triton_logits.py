@@ -199,15 +199,14 @@ def logits_with_stats(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
-    t: torch.Tensor | None,
     loss: Loss,
     z: torch.Tensor,
 ) -> Callable[[torch.Tensor | None], torch.Tensor] | None:
     """Write the chunk's logits ``x W^T (+ bias)`` into ``z`` and return ``stats(y)``, which makes
     their ``STATS`` (local to this vocabulary slice; ``y`` the local labels, read only there);
     or ``None`` without touching ``z`` when the fused GEMM does not take these operands or the
-    ``stats`` phase must read a dense teacher ``t`` (``fused_kl.chunk.stats_teacher``)."""
-    if t is not None or not fits(x, weight, bias, z):
+    ``stats`` phase must read a dense teacher (``Loss.stats_read_teacher``)."""
+    if loss.stats_read_teacher or not fits(x, weight, bias, z):
         return None
     parts = launch(x, weight, bias, loss, z, exp=False)[0]
     return lambda y: _combine(parts, z, y, loss)
