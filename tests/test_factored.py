@@ -216,3 +216,47 @@ def test_on_the_gpu_with_partial_tiles():
     grad = torch.softmax(a, -1) - F.one_hot(y, 2056)
     got = alpha.double()[:, None] * z.double()
     assert ((got - grad).abs() / grad.abs().amax(-1, keepdim=True)).max() < 8e-3
+
+
+@pytest.mark.parametrize("tail", ["bin", "renormalize", "drop"])
+@pytest.mark.parametrize(("temperature", "hard", "scale"), [(1.0, True, 1.25), (1.7, False, 2.5)])
+def test_the_topk_kernel_is_the_shared_topk_part(tail, temperature, hard, scale):
+    """``triton_topk`` against ``fused_kl.chunk.topk_part`` on the same ``E``: rows outside the
+    window, a flushed token, ``-inf`` padding, a NaN log-probability, an ignored row, a token id
+    outside the vocabulary (possible only unchecked, under compile) and k not a power of two."""
+    from fused_kl import rowmath
+    from fused_kl.chunk import topk_part
+    from torch_kl.backends import triton_topk
+    from torch_kl.driver import OPS
+    from torch_kl.layout import Layout
+
+    rows, v, h, k = 32, 96, 16, 5
+    loss = Loss(teacher=Teacher("topk_log_probs", temperature, topk_tail=tail), temperature=temperature,
+                logit_scale=scale, weight_hard=0.5 if hard else 0.0)  # fmt: skip
+    x, w = _logits_of_every_kind(rows, v, h)
+    gen = torch.Generator().manual_seed(5)
+    y = torch.randint(0, v, (rows,), generator=gen)
+    order = torch.rand(rows, v, generator=gen)
+    order[:, FLUSHED] = 2.0
+    idx = torch.cat([torch.full((rows, 1), FLUSHED), order.argsort(-1)[:, : k - 1]], dim=1)
+    y[1::5] = idx[1::5, 2]  # some labels among the teacher's tokens
+    t = torch.randn(rows, v, generator=gen).log_softmax(-1).gather(1, idx)
+    t[::3, -1] = float("-inf")
+    t[4, 1] = float("nan")
+    idx[6, 3] = v + 2
+    keep = torch.ones(rows, dtype=torch.bool)
+    keep[7] = False
+    z = torch.empty(rows, v, dtype=torch.bfloat16)
+    make_stats, tiles = triton_factored.exp_logits(x, w, None, loss, z)
+    assert (z[::4, FLUSHED] == 0).all()  # the dot product's path runs
+    stats = make_stats(y if hard else None)
+    weights = rowmath.scales(keep.sum(dtype=torch.float32), loss, v, False, torch)
+    scales = rowmath.row_scales(keep, weights, loss, torch)
+    want = topk_part(lambda at, inside: triton_factored.logits_at(z, tiles, at, inside, x, w, loss), (t, idx),
+                     y if hard else None, keep, 0, v, stats, weights, loss, v, Layout(), OPS)  # fmt: skip
+    got = triton_topk.topk_part(z, tiles, (t, idx), y if hard else None, stats, scales, x, w, loss)
+    for name, a, b in zip(("soft", "K", "at", "dL/dz", "write"), got, want, strict=True):
+        b = torch.as_tensor(b).expand_as(a)
+        assert a.dtype == b.dtype or name in ("soft", "K", "dL/dz"), name
+        torch.testing.assert_close(a, b.to(a.dtype), rtol=2e-5, atol=2e-6, equal_nan=True, msg=name)
+    assert got[0][4].isnan() and got[0][6].isnan() and not got[0][:4].isnan().any()

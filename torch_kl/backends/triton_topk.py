@@ -1,0 +1,124 @@
+"""A top-k teacher's ``[rows, k]`` part of a factored chunk in one kernel.
+
+The math is :func:`fused_kl.rowmath.topk`'s (stated there), with :func:`fused_kl.chunk.topk_part`'s
+framing: the student's exponents ``a = f(z) / T`` at the teacher's tokens read from ``E`` (as
+``triton_factored._logits_at_kernel`` reads them), then per row the masses ``P``, ``Q``, the tail,
+the soft loss, the dense factor ``K`` and ``dL/dz`` at the tokens. In torch's eager mode that
+chain is about fifty small kernels a chunk, 0.5 ms a step at N = 8192 on the H200 with every
+GEMM's time left unchanged; here it is one program a row.
+
+It takes the chunks ``triton_factored`` takes (uncapped logits, no label smoothing, the hard term
+only at ``T = 1``) whose vocabulary is not split across devices: ``Q`` is then the row's own sum,
+with no collective between the sums and ``dL/dz``. A split vocabulary keeps the shared function.
+``jax_kl`` has no counterpart: XLA fuses the same chain of ``jax.numpy`` operations itself.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fused_kl.loss import TOPK_TAILS, Loss
+
+from .triton_factored import HI, LO, SHIFT, Tiles
+
+
+@triton.jit
+def _topk_kernel(
+    z_ptr, tile_max_ptr, x_ptr, w_ptr, log_p_ptr, idx_ptr, y_ptr, stats_ptr, c_soft_ptr, c_hard_ptr,
+    soft_ptr, k_ptr, g_ptr, at_ptr, write_ptr, rows, V, H, K, stats_stride, temperature, scale, eps,
+    TAIL: tl.constexpr, HARD: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BH: tl.constexpr,
+):  # fmt: skip
+    r = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, BK)
+    live = i < K
+    idx = tl.load(idx_ptr + r * K + i, mask=live, other=0)
+    local = live & (idx >= 0) & (idx < V)
+    at = tl.where(local, idx, 0)
+    # a at the tokens: log E + the column tile's shift, or x_r . W_j where E flushed to zero.
+    e = tl.load(z_ptr + r * V + at, mask=local, other=1.0).to(tl.float32)
+    m = tl.load(tile_max_ptr + (at // BN) * rows + r, mask=local, other=0.0)
+    a = tl.log(e) + tl.where((m >= LO) & (m <= HI), SHIFT, m)
+    flushed = local & (e == 0.0)
+    if tl.sum(flushed.to(tl.int32), axis=0) > 0:
+        dot = tl.zeros([BK], tl.float32)
+        for start in range(0, H, BH):
+            cols = start + tl.arange(0, BH)
+            xv = tl.load(x_ptr + r * H + cols, mask=cols < H, other=0.0).to(tl.float32)
+            wv = tl.load(w_ptr + at[:, None].to(tl.int64) * H + cols[None, :],
+                         mask=flushed[:, None] & (cols < H)[None, :], other=0.0).to(tl.float32)  # fmt: skip
+            dot += tl.sum(wv * xv[None, :], axis=1)
+        a = tl.where(flushed, dot * (scale / temperature), a)
+    log_q = a - tl.load(stats_ptr + r * stats_stride)
+    q = tl.where(local, tl.exp(log_q), 0.0)
+    t = tl.load(log_p_ptr + r * K + i, mask=live, other=float("-inf")).to(tl.float32)
+    in_s = live & (t != float("-inf"))  # a NaN log-probability stays in, and propagates
+    p = tl.exp(t)
+    mass = tl.sum(p, axis=0)
+    big_q = tl.sum(tl.where(in_s, q, 0.0), axis=0)
+    ratio = mass * 0.0
+    if TAIL == 1:  # renormalize
+        p = p / tl.where(mass > 0, mass, 1.0)
+        k = tl.sum(p, axis=0)
+    elif TAIL == 2:  # drop
+        k = mass
+    else:  # bin
+        p_t = tl.maximum(1.0 - mass, 0.0)
+        q_t = 1.0 - big_q
+        ratio = tl.where(q_t > eps, p_t / tl.where(q_t > eps, q_t, 1.0), 0.0)
+        k = mass - ratio * big_q
+    log_p = tl.where(p > 0, tl.log(tl.where(p > 0, p, 1.0)), 0.0)
+    soft = tl.sum(tl.where(local & in_s, p * (log_p - log_q), 0.0), axis=0)
+    if TAIL == 0:
+        tail = p_t * (tl.log(tl.maximum(p_t, eps)) - tl.log(tl.maximum(q_t, eps)))
+        soft += tl.where(p_t > 0, tail, 0.0)
+    c_soft = tl.load(c_soft_ptr + r)
+    c_hard = tl.load(c_hard_ptr + r)
+    g = c_soft * (k * q + tl.where(in_s, ratio * q - p, 0.0))
+    if HARD:  # at T = 1: softmax(f) - [j = y]
+        lse_hard = tl.load(stats_ptr + r * stats_stride + 1)
+        g += c_hard * (tl.exp(a * temperature - lse_hard) - tl.where(idx == tl.load(y_ptr + r), 1.0, 0.0))
+    # A token id outside the vocabulary (only possible under compile, unchecked) makes the row NaN.
+    outside = tl.sum((live & ~local).to(tl.int32), axis=0) > 0
+    tl.store(soft_ptr + r, tl.where(outside, float("nan"), soft))
+    tl.store(k_ptr + r, k)
+    tl.store(g_ptr + r * K + i, g * scale, mask=live)
+    tl.store(at_ptr + r * K + i, at, mask=live)
+    weighed = ((c_soft != 0) | (c_hard != 0)).to(tl.int8)
+    tl.store(write_ptr + r * K + i, local.to(tl.int8) * weighed, mask=live)
+
+
+def topk_part(
+    z: torch.Tensor,
+    tiles: Tiles,
+    topk: tuple[torch.Tensor, torch.Tensor],
+    y: torch.Tensor | None,
+    stats: torch.Tensor,
+    scales: tuple[torch.Tensor, torch.Tensor],
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    loss: Loss,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`fused_kl.chunk.topk_part`'s ``(soft loss per row, K, columns at, dL/dz there, where
+    to write it)`` of a factored chunk whose ``E`` is ``z`` (before ``settle``) and whose whole
+    vocabulary is here; ``stats`` the rows' ``STATS``, ``scales`` their ``(c_soft, c_hard)``."""
+    log_p, idx = (a.contiguous() for a in topk)
+    stats = stats.contiguous()
+    (rows, k), dev = idx.shape, z.device
+    soft, kfac = (torch.empty(rows, dtype=torch.float32, device=dev) for _ in range(2))
+    g = torch.empty(rows, k, dtype=torch.float32, device=dev)
+    at = torch.empty(rows, k, dtype=torch.int64, device=dev)  # scatter's index dtype
+    write = torch.empty(rows, k, dtype=torch.int8, device=dev)
+    teacher = loss.teacher
+    assert teacher is not None
+    if rows and k:
+        c_soft, c_hard = (torch.broadcast_to(torch.as_tensor(c, dtype=torch.float32, device=dev), (rows,)).contiguous()
+                          for c in scales)  # fmt: skip
+        _topk_kernel[(rows,)](
+            z, tiles.max, x, weight, log_p, idx, idx if y is None else y, stats, c_soft, c_hard, soft, kfac, g, at,
+            write, rows, z.shape[1], x.shape[1], k, stats.stride(0), loss.temperature, loss.logit_scale, teacher.eps,
+            TAIL=TOPK_TAILS.index(teacher.topk_tail), HARD=loss.hard, BN=tiles.width,
+            BK=triton.next_power_of_2(k), BH=128,
+        )  # fmt: skip
+    return soft, kfac, at, g, write.view(torch.bool)
