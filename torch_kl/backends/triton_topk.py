@@ -4,8 +4,8 @@ The math is :func:`fused_kl.rowmath.topk`'s (stated there), with :func:`fused_kl
 framing: the student's exponents ``a = f(z) / T`` at the teacher's tokens read from ``E`` (as
 ``triton_factored._logits_at_kernel`` reads them), then per row the masses ``P``, ``Q``, the tail,
 the soft loss, the dense factor ``K`` and ``dL/dz`` at the tokens. In torch's eager mode that
-chain is about fifty small kernels a chunk, 0.5 ms a step at N = 8192 on the H200 with every
-GEMM's time left unchanged; here it is one program a row.
+chain is about eighty small kernels a chunk; here it is one program a row (at N = 8192 on the
+H200, 0.35 ms a step less GPU time; benchmarks/RESULTS.md).
 
 It takes the chunks ``triton_factored`` takes (uncapped logits, no label smoothing, the hard term
 only at ``T = 1``) whose vocabulary is not split across devices: ``Q`` is then the row's own sum,
