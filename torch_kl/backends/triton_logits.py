@@ -14,7 +14,7 @@ epilogue writes ``exp(f(z) / T - shift)`` from the float32 accumulator instead o
 Where the statistics need the teacher, the epilogue would read the teacher's tile after the
 GEMM's main loop, exposed, and on the H200 that cost as much as the ``stats`` kernel's pass
 saves; the teacher head's log-sum-exp in its own GEMM's epilogue was a wash too
-(benchmarks/RESULTS.md).
+(benchmarks/RESULTS-2026-12-01-factored.md).
 
 On Hopper the tiles move by TMA (tensor descriptors); elsewhere (the CPU interpreter's tests)
 by masked pointer loads. Inputs the kernel does not take get ``None`` back, and the caller runs
@@ -42,7 +42,7 @@ from fused_kl.loss import Loss
 from .triton_factored import _exp_tile
 from .triton_phases import _common, _transform
 
-# Tile shape measured on the H200 (benchmarks/RESULTS-2026-12-01.md, RESULTS.md): a 128 x 256 tile,
+# Tile shape measured on the H200 (benchmarks/RESULTS-2026-12-01.md, RESULTS-2026-12-01-factored.md): a 128 x 256 tile,
 # 3 stages and one program per SM run the chunk's logits GEMM within 1 % of cuBLAS; the statistics
 # epilogue adds 3-6 % more, by run (split stores, 4 stages or wider groups did not help).
 GPU_CONFIG = dict(BM=128, BN=256, BK=64, GROUP=8, num_warps=8, num_stages=3)
@@ -63,7 +63,7 @@ def _grouped(tile, num_m, num_n, GROUP: tl.constexpr):
 @triton.jit
 def _tile_lse(f, c):
     """Each row's log-sum-exp of ``c * f`` (``c > 0``), with one FMA and one ``exp2`` an element:
-    the epilogue's arithmetic is exposed between two tiles' MMAs (benchmarks/RESULTS.md)."""
+    the epilogue's arithmetic is exposed between two tiles' MMAs (benchmarks/RESULTS-2026-12-01-factored.md)."""
     m = tl.max(f, axis=1)
     k = c * 1.4426950408889634  # log2(e)
     return c * m + tl.log2(tl.sum(tl.exp2(f * k - (m * k)[:, None]), axis=1)) * 0.6931471805599453
