@@ -119,6 +119,6 @@ def topk_part(
             z, tiles.max, x, weight, log_p, idx, idx if y is None else y, stats, c_soft, c_hard, soft, kfac, g, at,
             write, rows, z.shape[1], x.shape[1], k, stats.stride(0), loss.temperature, loss.logit_scale, teacher.eps,
             TAIL=TOPK_TAILS.index(teacher.topk_tail), HARD=loss.hard, BN=tiles.width,
-            BK=triton.next_power_of_2(k), BH=128,
+            BK=max(16, triton.next_power_of_2(k)), BH=128,  # masked past k; no 1-wide blocks
         )  # fmt: skip
     return soft, kfac, at, g, write.view(torch.bool)
