@@ -143,30 +143,39 @@ def _repair_kernel(z_ptr, tile_max_ptr, shift_ptr, flag_ptr, rows, V, BN: tl.con
 
 
 @triton.jit
-def _logits_at_kernel(
-    z_ptr, tile_max_ptr, at_ptr, inside_ptr, x_ptr, w_ptr, out_ptr, rows, V, H, K, t_over_scale,
-    BN: tl.constexpr, BK: tl.constexpr, BH: tl.constexpr,
-):  # fmt: skip
-    """The raw logits ``z[r, at[r, i]]`` where ``inside``: ``(log E + the tile's shift) T /
-    logit_scale`` (``E``'s rounding moves them by at most ``2**-9 T / logit_scale``), or the dot
-    product ``x_r . W_j`` where ``E`` flushed to zero (rare: ``a`` far below the shift)."""
-    r = tl.program_id(0).to(tl.int64)
-    i = tl.arange(0, BK)
-    keep = (i < K) & (tl.load(inside_ptr + r * K + i, mask=i < K, other=0) != 0)
-    at = tl.load(at_ptr + r * K + i, mask=keep, other=0)
+def _exponents_at(z_ptr, tile_max_ptr, x_ptr, w_ptr, r, at, keep, rows, V, H, x_to_a, BN: tl.constexpr,
+                  BK: tl.constexpr, BH: tl.constexpr):  # fmt: skip
+    """Row ``r``'s exponents ``a = f(z) / T`` at the columns ``at`` (where ``keep``): ``log E`` plus
+    the column tile's shift (``E``'s rounding moves them by at most ``2**-9``), or ``x_to_a (x_r .
+    W_j)`` where ``E`` flushed to zero (rare: ``a`` far below the shift)."""
     e = tl.load(z_ptr + r * V + at, mask=keep, other=1.0).to(tl.float32)
     m = tl.load(tile_max_ptr + (at // BN) * rows + r, mask=keep, other=0.0)
     a = tl.log(e) + tl.where((m >= LO) & (m <= HI), SHIFT, m)
     flushed = keep & (e == 0.0)
-    dot = tl.zeros([BK], tl.float32)
     if tl.sum(flushed.to(tl.int32), axis=0) > 0:
+        dot = tl.zeros([BK], tl.float32)
         for start in range(0, H, BH):
             cols = start + tl.arange(0, BH)
             xv = tl.load(x_ptr + r * H + cols, mask=cols < H, other=0.0).to(tl.float32)
             wv = tl.load(w_ptr + at[:, None].to(tl.int64) * H + cols[None, :],
                          mask=flushed[:, None] & (cols < H)[None, :], other=0.0).to(tl.float32)  # fmt: skip
             dot += tl.sum(wv * xv[None, :], axis=1)
-    tl.store(out_ptr + r * K + i, tl.where(flushed, dot, a * t_over_scale), mask=i < K)
+        a = tl.where(flushed, dot * x_to_a, a)
+    return a
+
+
+@triton.jit
+def _logits_at_kernel(
+    z_ptr, tile_max_ptr, at_ptr, inside_ptr, x_ptr, w_ptr, out_ptr, rows, V, H, K, t_over_scale,
+    BN: tl.constexpr, BK: tl.constexpr, BH: tl.constexpr,
+):  # fmt: skip
+    """The raw logits ``z[r, at[r, i]] = a T / logit_scale`` where ``inside`` (:func:`_exponents_at`)."""
+    r = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, BK)
+    keep = (i < K) & (tl.load(inside_ptr + r * K + i, mask=i < K, other=0) != 0)
+    at = tl.load(at_ptr + r * K + i, mask=keep, other=0)
+    a = _exponents_at(z_ptr, tile_max_ptr, x_ptr, w_ptr, r, at, keep, rows, V, H, 1.0 / t_over_scale, BN, BK, BH)
+    tl.store(out_ptr + r * K + i, a * t_over_scale, mask=i < K)
 
 
 @triton.jit

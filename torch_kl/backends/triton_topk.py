@@ -1,8 +1,8 @@
 """A top-k teacher's ``[rows, k]`` part of a factored chunk in one kernel.
 
 The math is :func:`fused_kl.rowmath.topk`'s (stated there), with :func:`fused_kl.chunk.topk_part`'s
-framing: the student's exponents ``a = f(z) / T`` at the teacher's tokens read from ``E`` (as
-``triton_factored._logits_at_kernel`` reads them), then per row the masses ``P``, ``Q``, the tail,
+framing: the student's exponents ``a = f(z) / T`` at the teacher's tokens read from ``E``
+(``triton_factored._exponents_at``), then per row the masses ``P``, ``Q``, the tail,
 the soft loss, the dense factor ``K`` and ``dL/dz`` at the tokens. In torch's eager mode that
 chain is about eighty small kernels a chunk; here it is one program a row (at N = 8192 on the
 H200, 0.35 ms a step less GPU time; benchmarks/RESULTS.md).
@@ -21,7 +21,7 @@ import triton.language as tl
 
 from fused_kl.loss import TOPK_TAILS, Loss
 
-from .triton_factored import HI, LO, SHIFT, Tiles
+from .triton_factored import Tiles, _exponents_at
 
 
 @triton.jit
@@ -36,20 +36,7 @@ def _topk_kernel(
     idx = tl.load(idx_ptr + r * K + i, mask=live, other=0)
     local = live & (idx >= 0) & (idx < V)
     at = tl.where(local, idx, 0)
-    # a at the tokens: log E + the column tile's shift, or x_r . W_j where E flushed to zero.
-    e = tl.load(z_ptr + r * V + at, mask=local, other=1.0).to(tl.float32)
-    m = tl.load(tile_max_ptr + (at // BN) * rows + r, mask=local, other=0.0)
-    a = tl.log(e) + tl.where((m >= LO) & (m <= HI), SHIFT, m)
-    flushed = local & (e == 0.0)
-    if tl.sum(flushed.to(tl.int32), axis=0) > 0:
-        dot = tl.zeros([BK], tl.float32)
-        for start in range(0, H, BH):
-            cols = start + tl.arange(0, BH)
-            xv = tl.load(x_ptr + r * H + cols, mask=cols < H, other=0.0).to(tl.float32)
-            wv = tl.load(w_ptr + at[:, None].to(tl.int64) * H + cols[None, :],
-                         mask=flushed[:, None] & (cols < H)[None, :], other=0.0).to(tl.float32)  # fmt: skip
-            dot += tl.sum(wv * xv[None, :], axis=1)
-        a = tl.where(flushed, dot * (scale / temperature), a)
+    a = _exponents_at(z_ptr, tile_max_ptr, x_ptr, w_ptr, r, at, local, rows, V, H, scale / temperature, BN, BK, BH)
     log_q = a - tl.load(stats_ptr + r * stats_stride)
     q = tl.where(local, tl.exp(log_q), 0.0)
     t = tl.load(log_p_ptr + r * K + i, mask=live, other=float("-inf")).to(tl.float32)
