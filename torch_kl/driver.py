@@ -133,16 +133,16 @@ def _factored_chunk(
     stats = layout.combine_stats(local_stats(y_local))
     c_soft, c_hard = rowmath.row_scales(keep, weights, loss, torch)
     soft, sparse, beta = None, None, c_hard
-    if topk is not None and layout.vocab_group is None:  # one kernel (its module docstring)
-        from .backends.triton_topk import topk_part as topk_kernel
+    if topk is not None:  # the student's logits at the teacher's tokens come from E
+        if layout.vocab_group is None:  # the whole part in one kernel (its module docstring)
+            from .backends.triton_topk import topk_part as topk_kernel
 
-        soft, k, at, g_at, write = topk_kernel(z, tiles, topk, y, stats, (c_soft, c_hard), xc, weight, loss)
-    elif topk is not None:  # the student's logits at the teacher's tokens come from E
-        soft, k, at, g_at, write = topk_part(
-            lambda at, inside: factored.logits_at(z, tiles, at, inside, xc, weight, loss),
-            topk, y, keep, v0, z.shape[1], stats, weights, loss, v_total, layout, OPS,
-        )  # fmt: skip
-    if topk is not None:
+            soft, k, at, g_at, write = topk_kernel(z, tiles, topk, y, stats, (c_soft, c_hard), xc, weight, loss)
+        else:  # a collective between its sums
+            soft, k, at, g_at, write = topk_part(
+                lambda at, inside: factored.logits_at(z, tiles, at, inside, xc, weight, loss),
+                topk, y, keep, v0, z.shape[1], stats, weights, loss, v_total, layout, OPS,
+            )  # fmt: skip
         beta = c_soft * k + (c_hard if loss.hard else 0.0)
         sparse = (at, g_at, write)
     labels_ok = True if y is None else (y >= 0) & (y < v_total)
