@@ -147,10 +147,11 @@ def tolerances(inp: Inputs, options: dict) -> tuple[float, float]:
 
     f = _transform(z[keep], options.get("logit_scale", 1.0), options.get("softcap"))
     big_a = np.abs(f).max(initial=0.0) / student_t
-    tail_loss, tail_grad = _tail_bin_error(inp, options, keep, f, big_a, w_soft * s)
+    log_q = _log_softmax(f / temperature)
+    tail_loss, tail_grad = _tail_bin_error(inp, options, keep, log_q, big_a, w_soft * s)
     loss_tol = TOLERANCE[inp.dtype] + logit + tail_loss / max(abs(ref.loss), 1e-2)
     big_l = np.abs(_teacher_log_probs(inp, options)[keep]).max(initial=0.0) if w_soft else 0.0
-    q_norm = (w_soft * s / temperature * _norm(np.exp(_log_softmax(f / temperature))),
+    q_norm = (w_soft * s / temperature * _norm(np.exp(log_q)),
               w_hard * s_hard * _norm(np.exp(_log_softmax(f))))
     arithmetic = 2.0**-24 * (2 * big_a + big_l + math.log(v)) * math.hypot(*q_norm)
 
@@ -170,27 +171,27 @@ def tolerances(inp: Inputs, options: dict) -> tuple[float, float]:
 
 
 def _tail_bin_error(
-    inp: Inputs, options: dict, keep: np.ndarray, f: np.ndarray, big_a: float, soft_scale: float
+    inp: Inputs, options: dict, keep: np.ndarray, log_q: np.ndarray, big_a: float, soft_scale: float
 ) -> tuple[float, float]:
     """``(loss, ||dL/dz||_F)`` error bounds of the tail bin's ``q_t = 1 - Q`` known to ``+- delta``:
     the loss takes ``p_t log q_t`` per row, and ``dL/dz`` carries ``r = p_t / q_t`` on ``q`` off the
     tokens and on the tokens through ``K``, each of norm at most ``c |dr| q_t`` (``c`` the row's
-    soft scale, ``c = soft_scale / T``). 0 for other teachers and tails."""
+    soft scale, ``c = soft_scale / T``); ``log_q`` the kept rows' student log-probabilities.
+    0 for other teachers and tails."""
     if inp.target_format != "topk_log_probs" or options.get("topk_tail", "bin") != "bin" or not keep.any():
         return 0.0, 0.0
     temperature, eps = options.get("temperature", 1.0), options.get("eps", 1e-10)
     t = np.asarray(inp.target, np.float64).reshape(-1, inp.target.shape[-1])
     idx = np.asarray(inp.target_indices).reshape(t.shape)[keep]
     t = t[keep]
-    log_q = np.take_along_axis(_log_softmax(f / temperature), idx, 1)
-    q_t = np.maximum(1.0 - np.where(np.isfinite(t), np.exp(log_q), 0.0).sum(-1), 0.0)
+    q_at = np.exp(np.take_along_axis(log_q, idx, 1))
+    q_t = np.maximum(1.0 - np.where(np.isfinite(t), q_at, 0.0).sum(-1), 0.0)
     p_t = np.maximum(1.0 - np.exp(t).sum(-1), 0.0)
-    delta = 2.0**-24 * (t.shape[1] + 2 * big_a + math.log(f.shape[1]))
-    low = np.maximum(q_t - delta, eps)
-    with np.errstate(divide="ignore"):
-        log_err = np.maximum(np.log((q_t + delta) / np.maximum(q_t, eps)), np.log(np.maximum(q_t, eps) / low))
-        # |dr| q_t / p_t, for a computed tail in [low, q_t + delta]; r = 0 where it falls to eps
-        r_err = np.maximum(q_t / low - 1.0, np.where(q_t - delta <= eps, 1.0, 0.0))
+    delta = 2.0**-24 * (t.shape[1] + 2 * big_a + math.log(log_q.shape[1]))
+    low, floored = np.maximum(q_t - delta, eps), np.maximum(q_t, eps)
+    log_err = np.maximum(np.log((q_t + delta) / floored), np.log(floored / low))
+    # |dr| q_t / p_t, for a computed tail in [low, q_t + delta]; r = 0 where it falls to eps
+    r_err = np.maximum(q_t / low - 1.0, np.where(q_t - delta <= eps, 1.0, 0.0))
     loss = soft_scale * float(np.sum(p_t * log_err))
     return loss, 2 * soft_scale / temperature * float(np.linalg.norm(p_t * r_err))
 
