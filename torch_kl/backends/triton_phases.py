@@ -15,17 +15,21 @@ are kept per tile row and combined once. Offsets into the teacher are 64-bit (``
 exceed 2**31). Float arguments are cast to float32 on entry: ``torch.compile`` passes Python
 floats as float64, which would otherwise turn the loop-carried statistics into float64.
 
-The scales arrive at run time (one compiled kernel serves every temperature), so the compiler
-cannot fold them: the kernels fold them themselves and work in base 2 (``log2 q = c z - lse2``,
-one FMA before an ``exp2``). At HBM speed these passes are bound by their arithmetic, and
-this made the ``stats`` pass of two logits 15 % faster on the H200 (benchmarks/RESULTS.md).
+At HBM speed these passes are bound by their arithmetic, so it is kept short. The scales arrive
+at run time (one compiled kernel serves every temperature) and the compiler cannot fold them:
+the kernels fold them themselves and work in base 2 (``log2 q = c z - lse2``, one FMA before an
+``exp2``). ``tl.log`` expands to about thirty instructions; :func:`_log` is the hardware's
+approximate ``lg2`` (two), within float32's rounding of the result (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from fused_kl.loss import KINDS, Loss
 
@@ -42,6 +46,10 @@ FORMATS = ("probs", "log_probs", "logits")
 LOWEST: tl.constexpr = tl.constexpr(-3.0e38)
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
+# float32's smallest normal number: the approximate lg2 flushes anything smaller to 0.
+TINY: tl.constexpr = tl.constexpr(1.1754943508222875e-38)
+# Triton's interpreter (the CPU tests) has no approximate logarithm; it takes tl.log.
+FAST_LOG: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 
 
 @triton.jit
@@ -55,6 +63,16 @@ def _transform(z, scale, cap, CAPPED: tl.constexpr):
     if CAPPED:
         s = cap * _tanh(s / cap)
     return s
+
+
+@triton.jit
+def _log(x):
+    """``log(max(x, TINY))``: ``lg2.approx`` times ln 2 on the GPU, absolute error ~2e-7."""
+    x = tl.maximum(x, TINY)
+    if FAST_LOG:
+        return libdevice.fast_logf(x)
+    else:
+        return tl.log(x)
 
 
 @triton.jit
@@ -86,7 +104,7 @@ def _slope(z, scale, cap, CAPPED: tl.constexpr):
 def _teacher(t, lse_t, inv_tt, t_scale, t_cap, eps, FORMAT: tl.constexpr, T_CAPPED: tl.constexpr):
     if FORMAT == PROBS:
         p = t
-        log_p = tl.log(tl.maximum(t, eps))
+        log_p = _log(tl.maximum(t, eps))
     elif FORMAT == LOG_PROBS:
         p = tl.exp(t)
         log_p = t
@@ -98,7 +116,7 @@ def _teacher(t, lse_t, inv_tt, t_scale, t_cap, eps, FORMAT: tl.constexpr, T_CAPP
 @triton.jit
 def _log_mix(p, q, beta):
     m = beta * p + (1.0 - beta) * q
-    return m > 0, tl.log(m)
+    return m > 0, _log(m)
 
 
 @triton.jit
