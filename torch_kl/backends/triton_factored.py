@@ -43,12 +43,11 @@ import triton.language as tl
 
 from fused_kl.loss import Loss
 
-from .triton_phases import LOWEST, _transform
+from .triton_phases import LOG2E, LOWEST, _transform
 
 SHIFT: tl.constexpr = tl.constexpr(16.0)
 LO: tl.constexpr = tl.constexpr(-40.0)
 HI: tl.constexpr = tl.constexpr(56.0)
-LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 
 
 def takes(x: torch.Tensor, bias: torch.Tensor | None, loss: Loss) -> bool:

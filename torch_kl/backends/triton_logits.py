@@ -40,7 +40,7 @@ from fused_kl import rowmath
 from fused_kl.loss import Loss
 
 from .triton_factored import _exp_tile
-from .triton_phases import _common, _transform
+from .triton_phases import LN2, LOG2E, _common, _transform
 
 # Tile shape measured on the H200 (benchmarks/RESULTS-2026-12-01.md, RESULTS-2026-12-01-factored.md): a 128 x 256 tile,
 # 3 stages and one program per SM run the chunk's logits GEMM within 1 % of cuBLAS; the statistics
@@ -65,8 +65,8 @@ def _tile_lse(f, c):
     """Each row's log-sum-exp of ``c * f`` (``c > 0``), with one FMA and one ``exp2`` an element:
     the epilogue's arithmetic is exposed between two tiles' MMAs (benchmarks/RESULTS-2026-12-01-factored.md)."""
     m = tl.max(f, axis=1)
-    k = c * 1.4426950408889634  # log2(e)
-    return c * m + tl.log2(tl.sum(tl.exp2(f * k - (m * k)[:, None]), axis=1)) * 0.6931471805599453
+    k = c * LOG2E
+    return c * m + tl.log2(tl.sum(tl.exp2(f * k - (m * k)[:, None]), axis=1)) * LN2
 
 
 @triton.jit
