@@ -7,7 +7,7 @@ kernel) compute the same expressions. The Triton kernels translate them to ``tl`
 
     f(z)   = logit_scale * z, then softcap * tanh(. / softcap) if softcap     (student transform)
     log_q  = a - lse(a)                  q = exp(log_q)
-    teacher: probs p = t, log_p = log(max(t, eps)); log_probs p = exp(t), log_p = t;
+    teacher: probs p = t, log_p = log(max(t, eps, TINY)); log_probs p = exp(t), log_p = t;
              logits (and hidden) log_p = g(t) / T_t - lse(g(t) / T_t), g the teacher transform
     soft loss and dsoft/da_j, with K the row's constant:
       forward  sum p (log_p - log_q)                     q_j K - p_j            K = sum p
@@ -29,6 +29,10 @@ from typing import Any
 
 from .loss import Loss, Teacher
 
+# float32's smallest normal number. The logarithms' arguments are clamped here: the GPU kernels'
+# approximate lg2 flushes anything smaller to 0 (log -inf), and every backend must agree.
+TINY = 1.1754943508222875e-38
+
 
 def transform(z: Any, scale: float, cap: float | None, xp: Any) -> Any:
     """``scale * z``, then ``cap * tanh(. / cap)`` when capped."""
@@ -48,7 +52,7 @@ def teacher_probs(t: Any, teacher: Teacher, lse_t: Any, xp: Any) -> tuple[Any, A
     """``(p, log_p)`` of a dense teacher chunk; ``lse_t`` is used by the logits formats."""
     fmt = teacher.dense_format
     if fmt == "probs":
-        return t, xp.log(t.clip(min=teacher.eps))
+        return t, xp.log(t.clip(min=max(teacher.eps, TINY)))
     if fmt == "log_probs":
         return xp.exp(t), t
     log_p = transform(t, teacher.logit_scale, teacher.softcap, xp) / teacher.temperature - lse_t
@@ -62,7 +66,7 @@ def forward_term(p: Any, log_p: Any, log_q: Any, xp: Any) -> Any:
 
 def _log_mix(p: Any, q: Any, beta: float, xp: Any) -> tuple[Any, Any]:
     m = beta * p + (1.0 - beta) * q
-    return m > 0, xp.log(m)
+    return m > 0, xp.log(m.clip(min=TINY))
 
 
 def value_terms(kind: str, q: Any, log_q: Any, p: Any, log_p: Any, beta: float, xp: Any) -> tuple[Any, Any]:

@@ -81,6 +81,23 @@ def test_finish_writes_dl_dz_over_the_logits() -> None:
     assert "output_operand_alias" in calls[1] and "operand_index = 0" in calls[1]
 
 
+@pytest.mark.parametrize(("softcap", "approx"), [(None, True), (20.0, False)])
+def test_logarithms_are_approximate_unless_a_softcap_is_in_the_kernel(softcap, approx: bool) -> None:
+    """JSD's ``value`` kernel takes the hardware's ``lg2.approx`` for ``log p`` and ``log m`` (as
+    torch_kl's Triton kernels do); under a softcap the whole kernel keeps the exact math, since
+    ``tanh.approx`` would be too coarse for the capped logits."""
+    loss = Loss(beta=0.5, softcap=softcap, teacher=Teacher("probs", 1.0))
+    z = jax.ShapeDtypeStruct((ROWS, V), jnp.bfloat16)
+    t = jax.ShapeDtypeStruct((ROWS, V), jnp.bfloat16)
+
+    def f(z, t):
+        return pallas_mosaic.value(z, (t, 0), pallas_mosaic.stats(z, None, None, loss, (1, 1)), loss, (1, 1))
+
+    text = jax.jit(f).trace(z, t).lower(lowering_platforms=("cuda",)).as_text()
+    assert ("lg2.approx" in text) is approx
+    assert ("tanh.approx" in text) is False
+
+
 def test_chunks_the_tma_cannot_move_are_refused_by_name() -> None:
     aligned, odd_v = jnp.zeros((64, 128), jnp.bfloat16), jnp.zeros((64, 100), jnp.bfloat16)
     assert pallas_mosaic.fits(aligned, None)

@@ -47,6 +47,11 @@ MIN_PROGRAMS = 8 * H100_SMS
 STAGES = 2
 LOWEST = -3.0e38  # running maxima start here, not at -inf (see pallas_triton.LOWEST)
 NEG_INF = float("-inf")
+# The hardware's approximate exp2 and lg2 (``approx_math``): a handful of instructions where the
+# exact logarithm takes about thirty, as in torch_kl's Triton kernels (log arguments are clamped
+# at float32's smallest normal, ``fused_kl.terms.TINY``, since the approximation flushes smaller
+# ones). Not under a softcap: ``tanh.approx`` errs by up to 2^-11, too coarse for the logits.
+APPROX_MATH = True
 NAME = "fused_kl_rows_mosaic"  # the kernel, as profiles and the lowered program name it
 WGMMA = plgpu.Layout.WGMMA
 ROW = WGMMA.reduce(1)
@@ -122,13 +127,20 @@ def unchecked_vma():
     return contextlib.nullcontext() if check is None else check(False)
 
 
-def _launch(step, tiled: list, rowvecs: list, inits: list[float], write_grad: bool = False) -> list:
+def _approx(loss: Loss) -> bool:
+    """Whether the kernel takes the approximate ``exp2``/``lg2``: not when a softcap's ``tanh`` is in it."""
+    teacher = loss.teacher
+    return APPROX_MATH and loss.softcap is None and (teacher is None or teacher.softcap is None)
+
+
+def _launch(step, tiled: list, rowvecs: list, inits: list[float], loss: Loss, write_grad: bool = False) -> list:
     """Run ``step(cols, tiles, rowvecs, carry, g_ref) -> carry`` over every ``[R, TV]`` tile.
 
     ``tiled`` are ``(array, first row block)``; ``rowvecs`` are ``[rows]`` float32 or int32
     per-row inputs. Returns the per-segment partials ``[segs, rows]`` of each carried value
     (``inits`` are their starting values), then, with ``write_grad``, ``dL/dz``: written over
     the logits (the first tiled array, passed as a mutable ref), each tile after it was read.
+    ``loss`` picks the compiler's math (:func:`_approx`).
     """
     rows, v = tiled[0][0].shape
     tv = TV[len(tiled) > 1]
@@ -183,10 +195,9 @@ def _launch(step, tiled: list, rowvecs: list, inits: list[float], write_grad: bo
 
     # pl.kernel on a Mosaic GPU mesh: plgpu.kernel's batching wrapper does not take a mutable ref.
     mesh = plgpu.Mesh(grid=(blocks, segs), grid_names=("rows", "segs"), kernel_name=NAME)
+    params = plgpu.CompilerParams(approx_math=_approx(loss))
     with unchecked_vma():
-        outs = pl.kernel(body, out_type=out_type, mesh=mesh, compiler_params=plgpu.CompilerParams(), name=NAME)(
-            *arrays, *rowvecs
-        )
+        outs = pl.kernel(body, out_type=out_type, mesh=mesh, compiler_params=params, name=NAME)(*arrays, *rowvecs)
     return [o[:, :rows] for o in outs] + ([jax.freeze(arrays[0])] if write_grad else [])
 
 
@@ -266,7 +277,7 @@ def stats(z: jax.Array, t, y: jax.Array | None, loss: Loss, tile: tuple[int, int
     inits = [LOWEST, 0.0] * (1 + loss.separate_hard_lse) + [0.0] * hard
     inits += [LOWEST, 0.0] if logits else [0.0] * has_teacher
     step = functools.partial(_stats_step, v=v, loss=loss, has_teacher=has_teacher, hard=hard)
-    parts = iter(_launch(step, _tiled(z, t), [], inits))
+    parts = iter(_launch(step, _tiled(z, t), [], inits, loss))
     zero = jnp.zeros((rows,), jnp.float32)
     lse = _lse(next(parts), next(parts))
     lse_h = _lse(next(parts), next(parts)) if loss.separate_hard_lse else lse
@@ -286,7 +297,7 @@ def value(z: jax.Array, t, stats: jax.Array, loss: Loss, tile: tuple[int, int]) 
     _require_fit(z, t)
     v = z.shape[1]
     step = functools.partial(_value_step, v=v, loss=loss)
-    a, b = _launch(step, _tiled(z, t), [stats[:, 0], stats[:, 2]], [0.0, 0.0])
+    a, b = _launch(step, _tiled(z, t), [stats[:, 0], stats[:, 2]], [0.0, 0.0], loss)
     return jnp.stack([jnp.sum(a, axis=0), jnp.sum(b, axis=0)], axis=1)
 
 
@@ -307,6 +318,6 @@ def finish(
     rowvecs = ([] if y is None else [y.astype(jnp.int32)]) + [coefs[:, i] for i in range(6)]
     step = functools.partial(_finish_step, v=v, v_total=v_total, loss=loss, has_teacher=t is not None,
                              hard=y is not None)  # fmt: skip
-    outs = _launch(step, _tiled(z, t), rowvecs, [0.0], write_grad)
+    outs = _launch(step, _tiled(z, t), rowvecs, [0.0], loss, write_grad)
     sums = jnp.sum(outs[0], axis=0)
     return (outs[1], sums) if write_grad else (None, sums)

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from fused_kl import terms
 from fused_kl.loss import KINDS, Loss
 
 PROBS: tl.constexpr = tl.constexpr(0)
@@ -47,7 +48,7 @@ LOWEST: tl.constexpr = tl.constexpr(-3.0e38)
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 # float32's smallest normal number: the approximate lg2 flushes anything smaller to 0.
-TINY: tl.constexpr = tl.constexpr(1.1754943508222875e-38)
+TINY: tl.constexpr = tl.constexpr(terms.TINY)
 # The approximate logarithm is CUDA's libdevice; Triton's interpreter (the CPU tests) and ROCm take tl.log.
 FAST_LOG: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1" and torch.version.hip is None)
 
