@@ -1,6 +1,6 @@
 """The row phases of one chunk, in order, written once for both frameworks' drivers.
 
-``stats`` → the layout's first collective point → (reverse KL, JSD: ``value`` → the second) →
+``stats`` → the layout's first collective point → (JSD: ``value`` → the second) →
 the top-k teacher's ``[rows, k]`` part (``rowmath.topk``) → ``finish`` (``dL/dz``) → the rows'
 losses. ``phases`` is a backend's module of row kernels, ``layout`` says what the collective
 points do, and :class:`ChunkOps` brings the few operations whose spelling differs between
@@ -105,8 +105,10 @@ def row_phases(
     stats = layout.combine_stats(local_stats)
     kind = loss.kind
     value_sums = None
-    if kind in ("reverse", "jsd"):
+    if kind == "jsd":
         value_sums = layout.vocab_sum(phases.value(z, t, stats, loss, tile))  # reads lse, lse_teacher
+    elif kind == "reverse":  # R came with the statistics
+        value_sums = rowmath.reverse_sums(stats, loss, xp)
     topk_const = None
     if topk is not None:
         soft, topk_const, at, g_at, write = topk_part(

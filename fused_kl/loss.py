@@ -82,10 +82,11 @@ class Loss:
     @property
     def stats_read_teacher(self) -> bool:
         """Whether the ``stats`` phase reads a dense teacher: the log-sum-exp of teacher logits,
-        or the forward KL's mass ``K = sum p``. Reverse KL and JSD on probabilities need neither."""
+        the forward KL's mass ``K = sum p``, reverse KL's sum ``R`` (``fused_kl.rowmath.REVERSE``).
+        JSD on probabilities needs none of them: its sums need the student's log-sum-exp first."""
         if self.kind == "coef":
             return False
-        return self.teacher.has_logits or self.kind == "forward"  # type: ignore[union-attr]
+        return self.teacher.has_logits or self.kind != "jsd"  # type: ignore[union-attr]
 
     @property
     def separate_hard_lse(self) -> bool:

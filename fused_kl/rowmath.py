@@ -4,9 +4,10 @@
 The row kernels exchange per-row float32 columns with the driver:
 
 * ``stats`` (phase 1) gives ``STATS``: three log-sum-exps, combined across vocabulary shards
-  with a log-sum-exp, and three sums, combined with a sum;
-* :func:`coefficients` turns them (and phase 2's sums, for reverse KL and JSD) into ``COEFS``,
-  which ``finish`` (phase 3) reads to write ``dL/dz``;
+  with a log-sum-exp, three sums, combined with a sum, and reverse KL's part ``rho`` of the
+  slice, combined with the slices' softmax weights (:func:`combine_stats`);
+* :func:`coefficients` turns them (and JSD's phase 2 sums) into ``COEFS``, which ``finish``
+  (phase 3) reads to write ``dL/dz``;
 * :func:`row_losses` assembles each row's loss; :func:`topk` does the top-k teacher's part,
   whose ``[rows, k]`` arrays are too small for a kernel of their own.
 """
@@ -19,8 +20,13 @@ from typing import Any
 from . import terms
 from .loss import Loss
 
-STATS = ("lse", "lse_hard", "lse_teacher", "mass", "logit_sum", "label_logit")
+STATS = ("lse", "lse_hard", "lse_teacher", "mass", "logit_sum", "label_logit", "reverse")
 N_LSE = 3  # the first three are log-sum-exps
+# Reverse KL's sum R = sum q (log q - log p) made in the stats pass, online like a log-sum-exp: over
+# a slice of the row, rho = sum softmax(a)_j (a_j - lse - b_j) with b = log p, or for teacher
+# logits their g(t) / T_t (log p before its log-sum-exp, still unknown): R = rho (+ lse_teacher).
+# With a running max m, l = sum exp(a - m) and u = sum exp(a - m) (a - m - b), rho = u / l - log l.
+REVERSE = 6
 COEFS = ("lse", "lse_hard", "lse_teacher", "row_const", "soft_scale", "hard_scale")
 
 
@@ -66,6 +72,31 @@ def combine_lse(lses: Any, reduce_max: Callable[[Any], Any], reduce_sum: Callabl
     return safe + xp.log(reduce_sum(xp.exp(lses - safe)))
 
 
+def combine_stats(stats: Any, reduce_max: Callable[[Any], Any], reduce_sum: Callable[[Any], Any], xp: Any) -> Any:
+    """Vocabulary slices' ``STATS`` (last axis) combined into the whole row's with one max and one
+    sum (collectives across shards, or reductions over segments): log-sum-exps by a log-sum-exp,
+    sums by a sum, ``reverse`` by the slices' softmax weights ``exp(lse_j - lse)``."""
+    n, r = N_LSE, REVERSE
+    lses = stats[..., :n]
+    m = reduce_max(lses)
+    safe = xp.where(xp.isfinite(m), m, 0.0)
+    w = xp.exp(lses - safe)
+    w0 = w[..., :1]  # an empty slice (w0 = 0) has no rho: 0, not 0 * NaN
+    rho = xp.where(w0 > 0, w0 * (stats[..., r:] + lses[..., :1] - safe[..., :1]), 0.0)
+    sums = reduce_sum(xp.concatenate([w, stats[..., n:r], rho], axis=-1))
+    s0 = sums[..., :1]
+    rho = xp.where(s0 > 0, sums[..., r:] / xp.where(s0 > 0, s0, 1.0) - xp.log(s0), 0.0)
+    return xp.concatenate([safe + xp.log(sums[..., :n]), sums[..., n:r], rho], axis=-1)
+
+
+def reverse_sums(stats: Any, loss: Loss, xp: Any) -> Any:
+    """Reverse KL's ``(R, 0)`` per row from the combined ``STATS``, in the shape of JSD's phase 2."""
+    r = stats[:, REVERSE]
+    if loss.teacher.has_logits:  # type: ignore[union-attr]
+        r = r + stats[:, 2]
+    return xp.stack([r, r * 0.0], -1)
+
+
 def label_logit(z: Any, y: Any, loss: Loss, gather: Callable[[Any, Any], Any], xp: Any) -> Any:
     """``f(z_y)`` of each row whose label ``y`` lies in this slice of ``z``'s columns, else 0:
     the ``label_logit`` column of ``STATS``. ``gather(z, at)`` is ``z[i, at[i, j]]`` in float32."""
@@ -91,8 +122,8 @@ def coefficients(
     loss: Loss,
     xp: Any,
 ) -> Any:
-    """``COEFS`` per row, from the combined ``STATS``, the kept-row mask, phase 2's sums
-    (reverse KL: ``R``; JSD: ``B``) and the top-k dense factor."""
+    """``COEFS`` per row, from the combined ``STATS``, the kept-row mask, the value sums
+    (reverse KL: ``R``, :func:`reverse_sums`; JSD: phase 2's ``B``) and the top-k dense factor."""
     kind = loss.kind
     if kind == "forward":
         k = stats[:, 3] if loss.teacher.dense_format != "logits" else stats[:, 3] * 0.0 + 1.0  # type: ignore[union-attr]
@@ -128,7 +159,7 @@ def row_losses(
 
 
 def soft_rows(kind: str, phase2: Any | None, phase3: Any, beta: float) -> Any:
-    """The soft loss of each row from the phase sums (forward: phase 3's; reverse/JSD: phase 2's)."""
+    """The soft loss of each row from the phase sums (forward: phase 3's; reverse/JSD: the value sums)."""
     if kind == "reverse":
         return phase2[:, 0]
     if kind == "jsd":

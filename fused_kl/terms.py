@@ -48,14 +48,24 @@ def slope(z: Any, scale: float, cap: float | None, xp: Any) -> Any:
     return scale * (1.0 - th * th)
 
 
+def teacher_log(t: Any, teacher: Teacher, xp: Any) -> Any:
+    """``log_p`` of a dense teacher chunk, for logits before their log-sum-exp: ``g(t) / T_t``."""
+    fmt = teacher.dense_format
+    if fmt == "probs":
+        return xp.log(t.clip(min=max(teacher.eps, TINY)))
+    if fmt == "log_probs":
+        return t
+    return transform(t, teacher.logit_scale, teacher.softcap, xp) / teacher.temperature
+
+
 def teacher_probs(t: Any, teacher: Teacher, lse_t: Any, xp: Any) -> tuple[Any, Any]:
     """``(p, log_p)`` of a dense teacher chunk; ``lse_t`` is used by the logits formats."""
     fmt = teacher.dense_format
     if fmt == "probs":
-        return t, xp.log(t.clip(min=max(teacher.eps, TINY)))
+        return t, teacher_log(t, teacher, xp)
     if fmt == "log_probs":
         return xp.exp(t), t
-    log_p = transform(t, teacher.logit_scale, teacher.softcap, xp) / teacher.temperature - lse_t
+    log_p = teacher_log(t, teacher, xp) - lse_t
     return xp.exp(log_p), log_p
 
 
@@ -69,10 +79,14 @@ def _log_mix(p: Any, q: Any, beta: float, xp: Any) -> tuple[Any, Any]:
     return m > 0, xp.log(m.clip(min=TINY))
 
 
-def value_terms(kind: str, q: Any, log_q: Any, p: Any, log_p: Any, beta: float, xp: Any) -> tuple[Any, Any]:
-    """The second reduction's summands: reverse ``(q (log_q - log_p), 0)``, JSD ``(A, B)`` terms."""
-    if kind == "reverse":
-        return q * (log_q - log_p), q * 0.0
+def reverse_term(q: Any, log_q: Any, b: Any) -> Any:
+    """Reverse KL's summand ``q (log_q - b)`` (``fused_kl.rowmath.REVERSE``: ``b`` is ``log_p`` up
+    to the teacher logits' log-sum-exp)."""
+    return q * (log_q - b)
+
+
+def jsd_terms(q: Any, log_q: Any, p: Any, log_p: Any, beta: float, xp: Any) -> tuple[Any, Any]:
+    """JSD's second reduction's summands, the ``A`` and ``B`` terms."""
     pos, log_m = _log_mix(p, q, beta, xp)
     a = xp.where(p > 0, p * (log_p - log_m), 0.0)
     b = xp.where(pos, q * (log_q - log_m), 0.0)

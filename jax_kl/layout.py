@@ -42,9 +42,7 @@ class Layout:
         """The whole row's ``STATS`` from each vocabulary slice's."""
         if self.vocab_axis is None:
             return stats
-        n = rowmath.N_LSE
-        lse = rowmath.combine_lse(stats[:, :n], lambda a: lax.pmax(a, self.vocab_axis), self.vocab_sum, jnp)
-        return jnp.concatenate([lse, self.vocab_sum(stats[:, n:])], -1)
+        return rowmath.combine_stats(stats, lambda a: lax.pmax(a, self.vocab_axis), self.vocab_sum, jnp)
 
 
 SINGLE = Layout()

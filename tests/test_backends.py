@@ -166,21 +166,24 @@ def test_loss_only(backend: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("options", "reads"), [({}, True), ({"beta": 1.0}, False), ({"beta": 0.5, "weight_hard_loss": 0.5}, False)]
+    ("options", "reads"), [({}, True), ({"beta": 1.0}, True), ({"beta": 0.5, "weight_hard_loss": 0.5}, False)]
 )
-def test_the_stats_phase_reads_probabilities_only_for_the_forward_kl(monkeypatch, options, reads) -> None:
-    """Reverse KL and JSD need neither the teacher's mass nor its log-sum-exp: one read of the
-    teacher fewer (and in torch_kl's Triton backend the logits GEMM makes the statistics)."""
+def test_which_phases_read_the_probabilities(monkeypatch, options, reads) -> None:
+    """The forward KL's statistics read the teacher's mass, reverse KL's make its sum ``R`` there;
+    JSD's need neither (in torch_kl's Triton backend the logits GEMM makes them): only JSD reads
+    the teacher in a ``value`` pass of its own."""
     from torch_kl.backends import torch_phases
 
-    seen = []
-    real = torch_phases.stats
+    seen, values = [], []
+    real, real_value = torch_phases.stats, torch_phases.value
     monkeypatch.setattr(torch_phases, "stats", lambda z, t, *rest: seen.append(t is not None) or real(z, t, *rest))
+    monkeypatch.setattr(torch_phases, "value", lambda *args: values.append(1) or real_value(*args))
     gen = torch.Generator().manual_seed(0)
     x, w = torch.randn(12, 5, generator=gen), torch.randn(17, 5, generator=gen)
     target = torch.softmax(torch.randn(12, 17, generator=gen), -1)
     torch_kl.fused_linear_kl_div(x, w, target, torch.randint(0, 17, (12,), generator=gen), backend="torch", **options)
     assert seen == [reads]
+    assert len(values) == (options.get("beta") == 0.5)
 
 
 # fused_kl.rowmath.topk takes the student's mass off the teacher's top-k as q_t = 1 - Q (the contract's

@@ -106,7 +106,8 @@ def test_a_dense_teacher_chunk_is_left_to_the_stats_kernel():
 @pytest.mark.parametrize(
     ("fmt", "beta", "reads"),
     [("probs", 0.0, True), ("log_probs", 0.0, True), ("logits", 0.5, True), ("hidden", 1.0, True),
-     ("probs", 1.0, False), ("probs", 0.5, False), ("log_probs", 1.0, False), ("topk_log_probs", 0.0, False)],
+     ("probs", 1.0, True), ("probs", 0.5, False), ("log_probs", 1.0, True), ("log_probs", 0.5, False),
+     ("topk_log_probs", 0.0, False)],
 )  # fmt: skip
 def test_which_losses_read_the_teacher_in_their_statistics(fmt, beta, reads):
     assert Loss(teacher=Teacher(fmt, 1.0), beta=beta).stats_read_teacher is reads

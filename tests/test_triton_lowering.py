@@ -19,11 +19,12 @@ import pytest
 
 pytest.importorskip("triton")
 
-# (kernel, its constexprs): reverse KL and JSD on probabilities (log p; JSD also log m), the
-# forward KL's finish on probabilities (log p for the loss), JSD's finish on logits (log m only).
+# (kernel, its constexprs): reverse KL's statistics and JSD's value pass on probabilities (log p;
+# JSD also log m), the forward KL's finish on probabilities (log p for the loss), JSD's finish on
+# logits (log m only).
 CASES = {
-    "value reverse probs": ("_value_kernel", dict(FORMAT=0, KIND=1)),
-    "value jsd probs": ("_value_kernel", dict(FORMAT=0, KIND=2)),
+    "stats reverse probs": ("_stats_kernel", dict(FORMAT=0, HARD=True, HARD_LSE=False, MASS=False, REV=True)),
+    "value jsd probs": ("_value_kernel", dict(FORMAT=0)),
     "finish forward probs": ("_finish_kernel", dict(FORMAT=0, KIND=0, HARD=False, HARD_LSE=False, WRITE_GRAD=True)),
     "finish jsd logits": ("_finish_kernel", dict(FORMAT=2, KIND=2, HARD=True, HARD_LSE=True, WRITE_GRAD=True)),
 }

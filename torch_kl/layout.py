@@ -47,11 +47,7 @@ class Layout:
         """The whole row's ``STATS`` from each vocabulary slice's."""
         if self.vocab_group is None:
             return stats
-        n = rowmath.N_LSE
-        lse = rowmath.combine_lse(
-            stats[:, :n], lambda a: _all_reduce(a, "max", self.vocab_group), self.vocab_sum, torch
-        )
-        return torch.cat([lse, self.vocab_sum(stats[:, n:])], -1)
+        return rowmath.combine_stats(stats, lambda a: _all_reduce(a, "max", self.vocab_group), self.vocab_sum, torch)
 
     @property
     def distributed(self) -> bool:

@@ -35,6 +35,8 @@ from fused_kl import rowmath, terms
 from fused_kl.checks import backend_unavailable
 from fused_kl.loss import Loss
 
+from . import online
+
 R = 64  # rows per program
 # Columns per step, by whether a teacher tile is read too (a TMA box holds at most 256 per
 # dimension; registers and shared memory per program bound it from above).
@@ -113,11 +115,6 @@ def _load(ref) -> jax.Array:
 
 _LOAD_PARAMS = inspect.signature(plgpu.load).parameters
 _REF_ONLY = "idx" not in _LOAD_PARAMS or _LOAD_PARAMS["idx"].default is not inspect.Parameter.empty
-
-
-def _online(m, s, a):
-    m_new = jnp.maximum(m, jnp.max(a, axis=1))
-    return m_new, s * jnp.exp(m - m_new) + jnp.sum(jnp.exp(a - _wide(m_new, a)), axis=1)
 
 
 def unchecked_vma():
@@ -207,15 +204,20 @@ def _stats_step(cols, tiles, rowvecs, carry, g_ref, *, v: int, loss: Loss, has_t
     vals = iter(carry)
     mask = cols < v
     f = terms.transform(_load(tiles[0]), loss.logit_scale, loss.softcap, jnp)
-    new = list(_online(next(vals), next(vals), jnp.where(mask, f / loss.temperature, NEG_INF)))
+    a = jnp.where(mask, f / loss.temperature, NEG_INF)
+    if has_teacher:
+        b = terms.teacher_log(_load(tiles[1]), teacher, jnp)
+    if has_teacher and loss.kind == "reverse":
+        new = list(online.reverse_step(next(vals), next(vals), next(vals), a, b, _wide))
+    else:
+        new = list(online.lse_step(next(vals), next(vals), a, _wide))
     if loss.separate_hard_lse:
-        new += _online(next(vals), next(vals), jnp.where(mask, f, NEG_INF))
+        new += online.lse_step(next(vals), next(vals), jnp.where(mask, f, NEG_INF), _wide)
     if hard:
         new.append(next(vals) + jnp.sum(jnp.where(mask, f, 0.0), axis=1))
     if has_teacher and teacher.has_logits:
-        u = terms.transform(_load(tiles[1]), teacher.logit_scale, teacher.softcap, jnp)
-        new += _online(next(vals), next(vals), jnp.where(mask, u / teacher.temperature, NEG_INF))
-    elif has_teacher:
+        new += online.lse_step(next(vals), next(vals), jnp.where(mask, b, NEG_INF), _wide)
+    elif has_teacher and loss.kind == "forward":
         p = terms.teacher_probs(_load(tiles[1]), teacher, 0.0, jnp)[0]
         new.append(next(vals) + jnp.sum(jnp.where(mask, p, 0.0), axis=1))
     return new
@@ -227,7 +229,7 @@ def _value_step(cols, tiles, rowvecs, carry, g_ref, *, v: int, loss: Loss):
     mask = cols < v
     log_q = terms.transform(_load(tiles[0]), loss.logit_scale, loss.softcap, jnp) / loss.temperature - _wide(lse, cols)
     p, log_p = terms.teacher_probs(_load(tiles[1]), loss.teacher, _wide(lse_t, cols), jnp)  # type: ignore[arg-type]
-    a, b = terms.value_terms(loss.kind, jnp.exp(log_q), log_q, p, log_p, loss.beta, jnp)
+    a, b = terms.jsd_terms(jnp.exp(log_q), log_q, p, log_p, loss.beta, jnp)
     return [carry[0] + jnp.sum(jnp.where(mask, a, 0.0), axis=1), carry[1] + jnp.sum(jnp.where(mask, b, 0.0), axis=1)]
 
 
@@ -274,25 +276,29 @@ def stats(z: jax.Array, t, y: jax.Array | None, loss: Loss, tile: tuple[int, int
     teacher = loss.teacher
     has_teacher, hard = t is not None, y is not None
     logits = has_teacher and teacher.has_logits
-    inits = [LOWEST, 0.0] * (1 + loss.separate_hard_lse) + [0.0] * hard
-    inits += [LOWEST, 0.0] if logits else [0.0] * has_teacher
+    reverse = has_teacher and loss.kind == "reverse"
+    has_mass = has_teacher and not logits and loss.kind == "forward"
+    inits = [LOWEST, 0.0] + [0.0] * reverse + [LOWEST, 0.0] * loss.separate_hard_lse + [0.0] * hard
+    inits += [LOWEST, 0.0] if logits else [0.0] * has_mass
     step = functools.partial(_stats_step, v=v, loss=loss, has_teacher=has_teacher, hard=hard)
     parts = iter(_launch(step, _tiled(z, t), [], inits, loss))
     zero = jnp.zeros((rows,), jnp.float32)
-    lse = _lse(next(parts), next(parts))
+    m, s = next(parts), next(parts)
+    rho = online.reverse_part(m, s, next(parts)) if reverse else zero
+    lse = _lse(m, s)
     lse_h = _lse(next(parts), next(parts)) if loss.separate_hard_lse else lse
     f_sum = jnp.sum(next(parts), axis=0) if hard else zero
     lse_t = _lse(next(parts), next(parts)) if logits else zero
-    mass = jnp.sum(next(parts), axis=0) if has_teacher and not logits else zero
+    mass = jnp.sum(next(parts), axis=0) if has_mass else zero
     label_logit = zero
     if hard:
         gather = lambda a, at: jnp.take_along_axis(a, at, axis=1).astype(jnp.float32)
         label_logit = rowmath.label_logit(z, y, loss, gather, jnp)
-    return jnp.stack([lse, lse_h, lse_t, mass, f_sum, label_logit], axis=1)
+    return jnp.stack([lse, lse_h, lse_t, mass, f_sum, label_logit, rho], axis=1)
 
 
 def value(z: jax.Array, t, stats: jax.Array, loss: Loss, tile: tuple[int, int]) -> jax.Array:
-    """Phase 2 (reverse KL, JSD): each row's sums ``(R, 0)`` or ``(A, B)``."""
+    """Phase 2 (JSD): each row's sums ``(A, B)``."""
     del tile
     _require_fit(z, t)
     v = z.shape[1]

@@ -18,8 +18,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from fused_kl import terms
+from fused_kl import rowmath, terms
 from fused_kl.loss import Loss
+
+from . import online
 
 # The running maxima start here, not at -inf: a tile row that is all padding then keeps
 # exp(m - m_new) = 1 and its sum 0, where -inf - -inf would make it NaN.
@@ -27,10 +29,8 @@ LOWEST = -3.0e38
 NEG_INF = float("-inf")
 
 
-def _online(m, s, a):
-    """Running max and sum of exp per tile row, after one more tile ``a``."""
-    m_new = jnp.maximum(m, jnp.max(a, axis=1))
-    return m_new, s * jnp.exp(m - m_new) + jnp.sum(jnp.exp(a - m_new[:, None]), axis=1)
+def _wide(row: jax.Array, like: jax.Array) -> jax.Array:
+    return row[:, None]
 
 
 def _lse(m, s):
@@ -66,25 +66,32 @@ def _stats_kernel(*refs, v: int, loss: Loss, has_teacher: bool, hard: bool, tile
     (out_ref,) = refs
     teacher = loss.teacher
     logits = has_teacher and teacher.has_logits
+    reverse = has_teacher and loss.kind == "reverse"
 
     def body(cols, mask, carry):
-        m, s, mh, sh, mt, st, mass, f_sum = carry
+        m, s, u, mh, sh, mt, st, mass, f_sum = carry
         f = _student(z_ref, cols, mask, loss)[1]
-        m, s = _online(m, s, jnp.where(mask, f / loss.temperature, NEG_INF))
+        a = jnp.where(mask, f / loss.temperature, NEG_INF)
+        if has_teacher:
+            b = terms.teacher_log(_load(t_ref, cols, mask), teacher, jnp)
+        if reverse:
+            m, s, u = online.reverse_step(m, s, u, a, b, _wide)
+        else:
+            m, s = online.lse_step(m, s, a, _wide)
         if loss.separate_hard_lse:
-            mh, sh = _online(mh, sh, jnp.where(mask, f, NEG_INF))
+            mh, sh = online.lse_step(mh, sh, jnp.where(mask, f, NEG_INF), _wide)
         if hard:
             f_sum += jnp.sum(jnp.where(mask, f, 0.0), axis=1)
         if logits:
-            u = terms.transform(_load(t_ref, cols, mask), teacher.logit_scale, teacher.softcap, jnp)
-            mt, st = _online(mt, st, jnp.where(mask, u / teacher.temperature, NEG_INF))
-        elif has_teacher:
+            mt, st = online.lse_step(mt, st, jnp.where(mask, b, NEG_INF), _wide)
+        elif has_teacher and loss.kind == "forward":
             p = terms.teacher_probs(_load(t_ref, cols, mask), teacher, 0.0, jnp)[0]
             mass += jnp.sum(jnp.where(mask, p, 0.0), axis=1)
-        return m, s, mh, sh, mt, st, mass, f_sum
+        return m, s, u, mh, sh, mt, st, mass, f_sum
 
     low, zero = jnp.full((tile[0],), LOWEST, jnp.float32), jnp.zeros((tile[0],), jnp.float32)
-    m, s, mh, sh, mt, st, mass, f_sum = _walk(v, tile, body, (low, zero, low, zero, low, zero, zero, zero))
+    init = (low, zero, zero, low, zero, low, zero, zero, zero)
+    m, s, u, mh, sh, mt, st, mass, f_sum = _walk(v, tile, body, init)
     lse = _lse(m, s)
     lse_h = _lse(mh, sh) if loss.separate_hard_lse else lse
     lse_t = _lse(mt, st) if logits else jnp.float32(0.0)
@@ -100,6 +107,7 @@ def _stats_kernel(*refs, v: int, loss: Loss, has_teacher: bool, hard: bool, tile
     out_ref[3] = jnp.sum(mass)
     out_ref[4] = jnp.sum(f_sum)
     out_ref[5] = label_logit
+    out_ref[6] = online.reverse_part(m, s, u) if reverse else jnp.float32(0.0)
 
 
 def _value_kernel(z_ref, t_ref, stats_ref, out_ref, *, v: int, loss: Loss, tile: tuple[int, int]):
@@ -109,7 +117,7 @@ def _value_kernel(z_ref, t_ref, stats_ref, out_ref, *, v: int, loss: Loss, tile:
         acc_a, acc_b = carry
         log_q = _student(z_ref, cols, mask, loss)[1] / loss.temperature - lse
         p, log_p = terms.teacher_probs(_load(t_ref, cols, mask), loss.teacher, lse_t, jnp)  # type: ignore[arg-type]
-        a, b = terms.value_terms(loss.kind, jnp.exp(log_q), log_q, p, log_p, loss.beta, jnp)
+        a, b = terms.jsd_terms(jnp.exp(log_q), log_q, p, log_p, loss.beta, jnp)
         return acc_a + jnp.sum(jnp.where(mask, a, 0.0), axis=1), acc_b + jnp.sum(jnp.where(mask, b, 0.0), axis=1)
 
     zero = jnp.zeros((tile[0],), jnp.float32)
@@ -187,17 +195,17 @@ def stats(z: jax.Array, t, y: jax.Array | None, loss: Loss, tile: tuple[int, int
     rows, v = z.shape
     args, specs = _inputs(z, t, y)
     kernel = functools.partial(_stats_kernel, v=v, loss=loss, has_teacher=t is not None, hard=y is not None, tile=tile)
-    six = jax.ShapeDtypeStruct((rows, 6), jnp.float32)
-    return _call(kernel, rows, args, specs, six, _row(6), tile)
+    width = len(rowmath.STATS)
+    return _call(kernel, rows, args, specs, jax.ShapeDtypeStruct((rows, width), jnp.float32), _row(width), tile)
 
 
 def value(z: jax.Array, t, stats: jax.Array, loss: Loss, tile: tuple[int, int]) -> jax.Array:
-    """Phase 2 (reverse KL, JSD): each row's sums ``(R, 0)`` or ``(A, B)``."""
+    """Phase 2 (JSD): each row's sums ``(A, B)``."""
     rows, v = z.shape
     args, specs = _inputs(z, t, None)
     kernel = functools.partial(_value_kernel, v=v, loss=loss, tile=tile)
     two = jax.ShapeDtypeStruct((rows, 2), jnp.float32)
-    return _call(kernel, rows, [*args, stats], [*specs, _row(6)], two, _row(2), tile)
+    return _call(kernel, rows, [*args, stats], [*specs, _row(len(rowmath.STATS))], two, _row(2), tile)
 
 
 def finish(

@@ -36,27 +36,29 @@ def stats(z: jax.Array, t, y: jax.Array | None, loss: Loss, tile: tuple[int, int
     zero = jnp.zeros(rows, jnp.float32)
     lse = jax.nn.logsumexp(f / loss.temperature, axis=-1)
     lse_h = jax.nn.logsumexp(f, axis=-1) if loss.separate_hard_lse else lse
-    lse_t = mass = logit_sum = label_logit = zero
+    lse_t = mass = logit_sum = label_logit = rho = zero
     if t is not None:
-        teacher = loss.teacher
-        if teacher.has_logits:  # type: ignore[union-attr]
-            u = terms.transform(_rows(t, rows), teacher.logit_scale, teacher.softcap, jnp)  # type: ignore[union-attr]
-            lse_t = jax.nn.logsumexp(u / teacher.temperature, axis=-1)  # type: ignore[union-attr]
-        else:
+        b = terms.teacher_log(_rows(t, rows), loss.teacher, jnp)  # type: ignore[arg-type]
+        if loss.teacher.has_logits:  # type: ignore[union-attr]
+            lse_t = jax.nn.logsumexp(b, axis=-1)
+        elif loss.kind == "forward":
             mass = _teacher(t, rows, loss, zero)[0].sum(-1)
+        if loss.kind == "reverse":
+            log_q = f / loss.temperature - lse[:, None]
+            rho = terms.reverse_term(jnp.exp(log_q), log_q, b).sum(-1)
     if y is not None:
         logit_sum = f.sum(-1)
         inside = (y >= 0) & (y < v)
         label_logit = jnp.where(inside, jnp.take_along_axis(f, jnp.clip(y, 0, v - 1)[:, None], axis=1)[:, 0], 0.0)
-    return jnp.stack([lse, lse_h, lse_t, mass, logit_sum, label_logit], -1)
+    return jnp.stack([lse, lse_h, lse_t, mass, logit_sum, label_logit, rho], -1)
 
 
 def value(z: jax.Array, t, stats: jax.Array, loss: Loss, tile: tuple[int, int]) -> jax.Array:
-    """Phase 2 (reverse KL, JSD): each row's sums ``(R, 0)`` or ``(A, B)``."""
+    """Phase 2 (JSD): each row's sums ``(A, B)``."""
     del tile
     log_q = _student(z, loss) / loss.temperature - stats[:, :1]
     p, log_p = _teacher(t, z.shape[0], loss, stats[:, 2])
-    a, b = terms.value_terms(loss.kind, jnp.exp(log_q), log_q, p, log_p, loss.beta, jnp)
+    a, b = terms.jsd_terms(jnp.exp(log_q), log_q, p, log_p, loss.beta, jnp)
     return jnp.stack([a.sum(-1), b.sum(-1)], -1)
 
 

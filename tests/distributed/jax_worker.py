@@ -147,6 +147,8 @@ MATRIX = [  # (name, format, problem keywords, options, layouts)
           temperature=1.5, chunk_size=6), ("b", "v", "bv")),
     ("no_labels_logits", "logits", dict(labels=False, bias=True), dict(temperature=0.8, chunk_size=5), ("bv",)),
     ("reverse_log_probs_sum", "log_probs", dict(), dict(beta=1.0, reduction="sum"), ("bv",)),
+    ("reverse_logits_hard", "logits", dict(), dict(beta=1.0, weight_hard_loss=0.5, temperature=2.0,
+                                                   teacher_temperature=1.5, chunk_size=5), ("v",)),
     ("jsd_logits_mean", "logits", dict(), dict(beta=0.5, reduction="mean", temperature=2.0, teacher_temperature=1.5),
      ("bv",)),
     ("topk_bin_hard", "topk_log_probs", dict(), dict(weight_hard_loss=0.5, label_smoothing=0.2, chunk_size=5),

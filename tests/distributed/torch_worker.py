@@ -28,6 +28,12 @@ MATRIX = [
     ("no_labels_logits", "logits", dict(ignored=None, bias=True), dict(temperature=0.8, chunk_size=5)),
     ("nothing_kept", "log_probs", dict(ignored=tuple(range(12))), dict(reduction="sum")),
     ("reverse_log_probs_sum", "log_probs", dict(lead=2), dict(beta=1.0, reduction="sum", chunk_size=5)),
+    (
+        "reverse_logits_hard",
+        "logits",
+        dict(),
+        dict(beta=1.0, weight_hard_loss=0.5, temperature=2.0, teacher_temperature=1.5, chunk_size=5),
+    ),
     ("jsd_logits_mean", "logits", dict(), dict(beta=0.5, reduction="mean", temperature=2.0, teacher_temperature=1.5)),
     (
         "hard_smoothing_softcap",

@@ -36,26 +36,29 @@ def stats(z: torch.Tensor, t: torch.Tensor | None, y: torch.Tensor | None, loss:
     zero = f.new_zeros(f.shape[0])
     lse = _lse(f / loss.temperature)
     lse_h = _lse(f) if loss.separate_hard_lse else lse
-    lse_t = mass = logit_sum = label_logit = zero
+    lse_t = mass = logit_sum = label_logit = rho = zero
     if t is not None:
-        teacher = loss.teacher
-        if teacher.has_logits:  # type: ignore[union-attr]
-            lse_t = _lse(terms.transform(t.float(), teacher.logit_scale, teacher.softcap, torch) / teacher.temperature)
-        else:
+        b = terms.teacher_log(t.float(), loss.teacher, torch)  # type: ignore[arg-type]
+        if loss.teacher.has_logits:  # type: ignore[union-attr]
+            lse_t = _lse(b)
+        elif loss.kind == "forward":
             mass = _teacher(t, loss, zero)[0].sum(-1)
+        if loss.kind == "reverse":
+            log_q = f / loss.temperature - lse[:, None]
+            rho = terms.reverse_term(torch.exp(log_q), log_q, b).sum(-1)
     if y is not None:
         logit_sum = f.sum(-1)
         inside = (y >= 0) & (y < f.shape[1])
         label_logit = torch.where(inside, f.gather(1, y.clamp(0, f.shape[1] - 1)[:, None])[:, 0], 0.0)
-    return torch.stack([lse, lse_h, lse_t, mass, logit_sum, label_logit], -1)
+    return torch.stack([lse, lse_h, lse_t, mass, logit_sum, label_logit, rho], -1)
 
 
 def value(z: torch.Tensor, t: torch.Tensor, stats: torch.Tensor, loss: Loss, tile: tuple[int, int]) -> torch.Tensor:
-    """Phase 2 (reverse KL, JSD): each row's sums of ``fused_kl.terms.value_terms``."""
+    """Phase 2 (JSD): each row's sums of ``fused_kl.terms.jsd_terms``."""
     del tile
     log_q = _student(z, loss) / loss.temperature - stats[:, :1]
     p, log_p = _teacher(t, loss, stats[:, 2])
-    a, b = terms.value_terms(loss.kind, torch.exp(log_q), log_q, p, log_p, loss.beta, torch)
+    a, b = terms.jsd_terms(torch.exp(log_q), log_q, p, log_p, loss.beta, torch)
     return torch.stack([a.sum(-1), b.sum(-1)], -1)
 
 

@@ -223,7 +223,7 @@ def exp_logits(
                 x, weight, y, f_y, h, v, loss.logit_scale, loss.softcap or 1.0, CAPPED=loss.softcap is not None,
                 BH=512,
             )  # fmt: skip
-        return torch.stack([lse, lse, zero, zero, zero, f_y], dim=1)
+        return torch.stack([lse, lse, zero, zero, zero, f_y, zero], dim=1)
 
     return stats, Tiles(parts[1], width, shift, bad)
 

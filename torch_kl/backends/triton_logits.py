@@ -8,7 +8,7 @@ vocabulary shards. The statistics are those of the logits as stored (rounded to 
 the values the later phases read.
 
 It serves every chunk whose ``stats`` phase reads no dense teacher (``Loss.stats_read_teacher``):
-the cross-entropy, top-k teachers, and reverse KL and JSD on probabilities. For the chunks whose
+the cross-entropy, top-k teachers, and JSD on probabilities. For the chunks whose
 ``dL/dz`` factors (``triton_factored``: the bfloat16 cross-entropy and top-k teachers) the
 epilogue writes ``exp(f(z) / T - shift)`` from the float32 accumulator instead of the logits.
 Where the statistics need the teacher, the epilogue would read the teacher's tile after the
@@ -233,6 +233,7 @@ def _combine(parts: torch.Tensor, z: torch.Tensor, y: torch.Tensor | None, loss:
             zero,
             parts[2].sum(0) if _sums_f(loss) else zero,
             zero if y is None else rowmath.label_logit(z, y, loss, lambda a, at: a.gather(1, at).float(), torch),
+            zero,  # no reverse KL here: its stats read the teacher
         ],
         dim=1,
     )

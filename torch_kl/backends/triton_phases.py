@@ -6,8 +6,9 @@ kernels in Pallas. Three phases, each a kernel, with the driver's per-row math (
 sharded vocabulary, the all-reduces) between them:
 
 * ``stats``: online log-sum-exps of the student (at ``T`` and, for the hard term, at 1) and of
-  teacher logits, the teacher's mass ``S = sum p``, ``sum f(z)`` and ``f(z_y)``;
-* ``value`` (reverse KL, JSD): the second reduction, ``sum q (log q - log p)`` / ``A, B``;
+  teacher logits, the teacher's mass ``S = sum p``, ``sum f(z)``, ``f(z_y)`` and, online with
+  the student's log-sum-exp, reverse KL's sum (``fused_kl.rowmath.REVERSE``);
+* ``value`` (JSD): the second reduction, ``A, B``, which needs the student's log-sum-exp first;
 * ``finish``: ``dL/dz`` written over the logits, and the forward KL's row sums.
 
 Each row is walked in ``[TILE_R, TILE_C]`` tiles (``fused_kl.plan``): running maxima and sums
@@ -31,7 +32,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from fused_kl import terms
+from fused_kl import rowmath, terms
 from fused_kl.loss import KINDS, Loss
 
 PROBS: tl.constexpr = tl.constexpr(0)
@@ -42,6 +43,7 @@ FORWARD: tl.constexpr = tl.constexpr(0)
 REVERSE: tl.constexpr = tl.constexpr(1)
 JSD: tl.constexpr = tl.constexpr(2)
 FORMATS = ("probs", "log_probs", "logits")
+N_STATS: tl.constexpr = tl.constexpr(len(rowmath.STATS))
 # The running maxima start here, not at -inf: a tile row that is all padding then keeps
 # exp(m - m_new) = 1 and its sum 0, where -inf - -inf would make it NaN.
 LOWEST: tl.constexpr = tl.constexpr(-3.0e38)
@@ -142,6 +144,26 @@ def _online(m, s, a):
 
 
 @triton.jit
+def _online_reverse(m, s, u, a, b):
+    """``_online`` and reverse KL's ``u = sum 2**(a - m) (a - m - b)`` (base 2; ``fused_kl.rowmath.REVERSE``)."""
+    m_new = tl.maximum(m, tl.max(a, axis=1))
+    c = tl.exp2(m - m_new)
+    d = a - m_new[:, None]
+    e = tl.exp2(d)
+    du = tl.sum(tl.where(e > 0, e * (d - b), 0.0), axis=1)
+    return m_new, s * c + tl.sum(e, axis=1), c * (u + (m - m_new) * s) + du
+
+
+@triton.jit
+def _reverse_part(m, s, u):
+    """``rho`` (natural units) from the tile rows' base-2 running ``(m, s, u)``."""
+    top = tl.max(m, axis=0)
+    c = tl.exp2(m - top)
+    total = tl.sum(c * s, axis=0)
+    return (tl.sum(c * (u + (m - top) * s), axis=0) / total - tl.log2(total)) * LN2
+
+
+@triton.jit
 def _lse(m, s):
     """The natural log-sum-exp from the tile rows' base-2 running ``(max, sum)``."""
     m_all = tl.max(m, axis=0)
@@ -151,12 +173,13 @@ def _lse(m, s):
 @triton.jit
 def _stats_kernel(
     z_ptr, z_stride, t_ptr, t_stride_r, t_stride_c, y_ptr, out_ptr, V,
-    inv_t, scale, cap, inv_tt, t_scale, t_cap,
+    inv_t, scale, cap, inv_tt, t_scale, t_cap, eps,
     FORMAT: tl.constexpr, CAPPED: tl.constexpr, T_CAPPED: tl.constexpr, HARD: tl.constexpr,
-    HARD_LSE: tl.constexpr, TILE_R: tl.constexpr, TILE_C: tl.constexpr,
+    HARD_LSE: tl.constexpr, MASS: tl.constexpr, REV: tl.constexpr, TILE_R: tl.constexpr, TILE_C: tl.constexpr,
 ):  # fmt: skip
     inv_t, scale, cap = tl.cast(inv_t, tl.float32), tl.cast(scale, tl.float32), tl.cast(cap, tl.float32)
     inv_tt, t_scale, t_cap = tl.cast(inv_tt, tl.float32), tl.cast(t_scale, tl.float32), tl.cast(t_cap, tl.float32)
+    eps = tl.cast(eps, tl.float32)
     r = tl.program_id(0).to(tl.int64)
     z_row = z_ptr + r * z_stride
     t_row = t_ptr + r * t_stride_r
@@ -170,24 +193,34 @@ def _stats_kernel(
     st = tl.zeros([TILE_R], tl.float32)
     mass = tl.zeros([TILE_R], tl.float32)
     f_sum = tl.zeros([TILE_R], tl.float32)
+    u = tl.zeros([TILE_R], tl.float32)
     for start in range(0, V, BLOCK):
         cols = start + offs
         mask = cols < V
         z = tl.load(z_row + cols, mask=mask, other=0.0).to(tl.float32)
-        m, s = _online(m, s, tl.where(mask, _scaled(z, scale, cap, inv_t * LOG2E, CAPPED), -float("inf")))
+        a = tl.where(mask, _scaled(z, scale, cap, inv_t * LOG2E, CAPPED), -float("inf"))
+        if FORMAT != NO_TEACHER:
+            t = tl.load(t_row + cols * t_stride_c, mask=mask, other=0.0).to(tl.float32)
+        if FORMAT == LOGITS:  # the teacher's log2 p before its log-sum-exp
+            b = _scaled(t, t_scale, t_cap, inv_tt * LOG2E, T_CAPPED)
+            mt, st = _online(mt, st, tl.where(mask, b, -float("inf")))
+        elif FORMAT == LOG_PROBS:
+            b = t * LOG2E
+        elif FORMAT == PROBS:  # (only reverse KL reads it: dead code otherwise)
+            b = _log(tl.maximum(t, eps)) * LOG2E
+        if REV:
+            m, s, u = _online_reverse(m, s, u, a, b)
+        else:
+            m, s = _online(m, s, a)
         if HARD_LSE:
             mh, sh = _online(mh, sh, tl.where(mask, _scaled(z, scale, cap, LOG2E, CAPPED), -float("inf")))
         if HARD:
             f_sum += tl.sum(tl.where(mask, _transform(z, scale, cap, CAPPED), 0.0), axis=1)
-        if FORMAT == LOGITS:
-            t = tl.load(t_row + cols * t_stride_c, mask=mask, other=0.0).to(tl.float32)
-            u = _scaled(t, t_scale, t_cap, inv_tt * LOG2E, T_CAPPED)
-            mt, st = _online(mt, st, tl.where(mask, u, -float("inf")))
-        elif FORMAT != NO_TEACHER:
-            t = tl.load(t_row + cols * t_stride_c, mask=mask, other=0.0).to(tl.float32)
+        if MASS:
+            p = t
             if FORMAT == LOG_PROBS:
-                t = tl.where(mask, tl.exp(t), 0.0)
-            mass += tl.sum(t, axis=1)
+                p = tl.exp(t)
+            mass += tl.sum(tl.where(mask, p, 0.0), axis=1)
     lse = _lse(m, s)
     lse_h = lse
     if HARD_LSE:
@@ -201,21 +234,25 @@ def _stats_kernel(
         inside = (y >= 0) & (y < V)
         z_y = tl.load(z_row + tl.where(inside, y, 0)).to(tl.float32)
         label_logit = tl.where(inside, _transform(z_y, scale, cap, CAPPED), 0.0)
-    out = out_ptr + r * 6
+    rho = 0.0
+    if REV:
+        rho = _reverse_part(m, s, u)
+    out = out_ptr + r * N_STATS
     tl.store(out, lse)
     tl.store(out + 1, lse_h)
     tl.store(out + 2, lse_t)
     tl.store(out + 3, tl.sum(mass, axis=0))
     tl.store(out + 4, tl.sum(f_sum, axis=0))
     tl.store(out + 5, label_logit)
+    tl.store(out + 6, rho)
 
 
 @triton.jit
 def _value_kernel(
     z_ptr, z_stride, t_ptr, t_stride_r, t_stride_c, stats_ptr, out_ptr, V,
     inv_t, scale, cap, inv_tt, t_scale, t_cap, eps, beta,
-    FORMAT: tl.constexpr, KIND: tl.constexpr, CAPPED: tl.constexpr, T_CAPPED: tl.constexpr,
-    TILE_R: tl.constexpr, TILE_C: tl.constexpr,
+    FORMAT: tl.constexpr, CAPPED: tl.constexpr, T_CAPPED: tl.constexpr, TILE_R: tl.constexpr,
+    TILE_C: tl.constexpr,
 ):  # fmt: skip
     inv_t, scale, cap = tl.cast(inv_t, tl.float32), tl.cast(scale, tl.float32), tl.cast(cap, tl.float32)
     inv_tt, t_scale, t_cap = tl.cast(inv_tt, tl.float32), tl.cast(t_scale, tl.float32), tl.cast(t_cap, tl.float32)
@@ -225,8 +262,8 @@ def _value_kernel(
     t_row = t_ptr + r * t_stride_r
     offs = tl.arange(0, TILE_R)[:, None] * TILE_C + tl.arange(0, TILE_C)[None, :]
     BLOCK: tl.constexpr = TILE_R * TILE_C
-    lse = tl.load(stats_ptr + r * 6)
-    lse_t = tl.load(stats_ptr + r * 6 + 2)
+    lse = tl.load(stats_ptr + r * N_STATS)
+    lse_t = tl.load(stats_ptr + r * N_STATS + 2)
     acc_a = tl.zeros([TILE_R], tl.float32)
     acc_b = tl.zeros([TILE_R], tl.float32)
     for start in range(0, V, BLOCK):
@@ -236,12 +273,9 @@ def _value_kernel(
         q, log_q = _log_softmax(z, lse, inv_t, scale, cap, CAPPED)
         t = tl.load(t_row + cols * t_stride_c, mask=mask, other=0.0).to(tl.float32)
         p, log_p = _teacher(t, lse_t, inv_tt, t_scale, t_cap, eps, FORMAT, T_CAPPED)
-        if KIND == REVERSE:
-            acc_a += tl.sum(tl.where(mask, q * (log_q - log_p), 0.0), axis=1)
-        else:
-            pos, log_m = _log_mix(p, q, beta)
-            acc_a += tl.sum(tl.where(mask & (p > 0), p * (log_p - log_m), 0.0), axis=1)
-            acc_b += tl.sum(tl.where(mask & pos, q * (log_q - log_m), 0.0), axis=1)
+        pos, log_m = _log_mix(p, q, beta)
+        acc_a += tl.sum(tl.where(mask & (p > 0), p * (log_p - log_m), 0.0), axis=1)
+        acc_b += tl.sum(tl.where(mask & pos, q * (log_q - log_m), 0.0), axis=1)
     tl.store(out_ptr + r * 2, tl.sum(acc_a, axis=0))
     tl.store(out_ptr + r * 2 + 1, tl.sum(acc_b, axis=0))
 
@@ -330,23 +364,26 @@ def _launch(tile: tuple[int, int]) -> dict:
 def stats(z: torch.Tensor, t: torch.Tensor | None, y: torch.Tensor | None, loss: Loss, tile: tuple[int, int]):
     """``fused_kl.rowmath.STATS`` of each row of the chunk (local to this vocabulary slice)."""
     rows, v = z.shape
-    out = torch.empty(rows, 6, dtype=torch.float32, device=z.device)
+    out = torch.empty(rows, len(rowmath.STATS), dtype=torch.float32, device=z.device)
     if rows:
+        teacher = t is not None
         _stats_kernel[(rows,)](
             z, z.stride(0), *_teacher_args(z, t), out if y is None else y, out, v, **_common(loss),
-            FORMAT=_format(loss, t), HARD=y is not None, HARD_LSE=loss.separate_hard_lse, **_launch(tile),
+            eps=loss.teacher.eps if teacher else 1e-10, FORMAT=_format(loss, t), HARD=y is not None,
+            HARD_LSE=loss.separate_hard_lse, MASS=teacher and loss.kind == "forward" and not loss.teacher.has_logits,
+            REV=teacher and loss.kind == "reverse", **_launch(tile),
         )  # fmt: skip
     return out
 
 
 def value(z: torch.Tensor, t: torch.Tensor, stats: torch.Tensor, loss: Loss, tile: tuple[int, int]) -> torch.Tensor:
-    """Phase 2 (reverse KL, JSD): each row's sums ``(R, 0)`` or ``(A, B)``."""
+    """Phase 2 (JSD): each row's sums ``(A, B)``."""
     rows, v = z.shape
     out = torch.empty(rows, 2, dtype=torch.float32, device=z.device)
     if rows:
         _value_kernel[(rows,)](
             z, z.stride(0), *_teacher_args(z, t), stats, out, v, **_common(loss), eps=loss.teacher.eps,
-            beta=loss.beta, FORMAT=_format(loss, t), KIND=KINDS.index(loss.kind), **_launch(tile),
+            beta=loss.beta, FORMAT=_format(loss, t), **_launch(tile),
         )  # fmt: skip
     return out
 
