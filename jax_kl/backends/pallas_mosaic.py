@@ -205,7 +205,7 @@ def _stats_step(cols, tiles, rowvecs, carry, g_ref, *, v: int, loss: Loss, has_t
     mask = cols < v
     f = terms.transform(_load(tiles[0]), loss.logit_scale, loss.softcap, jnp)
     a = jnp.where(mask, f / loss.temperature, NEG_INF)
-    if has_teacher:
+    if has_teacher and (teacher.has_logits or loss.kind == "reverse"):
         b = terms.teacher_log(_load(tiles[1]), teacher, jnp)
     if has_teacher and loss.kind == "reverse":
         new = list(online.reverse_step(next(vals), next(vals), next(vals), a, b, _wide))

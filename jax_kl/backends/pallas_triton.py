@@ -72,7 +72,7 @@ def _stats_kernel(*refs, v: int, loss: Loss, has_teacher: bool, hard: bool, tile
         m, s, u, mh, sh, mt, st, mass, f_sum = carry
         f = _student(z_ref, cols, mask, loss)[1]
         a = jnp.where(mask, f / loss.temperature, NEG_INF)
-        if has_teacher:
+        if logits or reverse:
             b = terms.teacher_log(_load(t_ref, cols, mask), teacher, jnp)
         if reverse:
             m, s, u = online.reverse_step(m, s, u, a, b, _wide)

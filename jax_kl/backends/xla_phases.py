@@ -38,7 +38,8 @@ def stats(z: jax.Array, t, y: jax.Array | None, loss: Loss, tile: tuple[int, int
     lse_h = jax.nn.logsumexp(f, axis=-1) if loss.separate_hard_lse else lse
     lse_t = mass = logit_sum = label_logit = rho = zero
     if t is not None:
-        b = terms.teacher_log(_rows(t, rows), loss.teacher, jnp)  # type: ignore[arg-type]
+        if loss.teacher.has_logits or loss.kind == "reverse":  # type: ignore[union-attr]
+            b = terms.teacher_log(_rows(t, rows), loss.teacher, jnp)  # type: ignore[arg-type]
         if loss.teacher.has_logits:  # type: ignore[union-attr]
             lse_t = jax.nn.logsumexp(b, axis=-1)
         elif loss.kind == "forward":

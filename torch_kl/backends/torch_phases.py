@@ -38,7 +38,8 @@ def stats(z: torch.Tensor, t: torch.Tensor | None, y: torch.Tensor | None, loss:
     lse_h = _lse(f) if loss.separate_hard_lse else lse
     lse_t = mass = logit_sum = label_logit = rho = zero
     if t is not None:
-        b = terms.teacher_log(t.float(), loss.teacher, torch)  # type: ignore[arg-type]
+        if loss.teacher.has_logits or loss.kind == "reverse":  # type: ignore[union-attr]
+            b = terms.teacher_log(t.float(), loss.teacher, torch)  # type: ignore[arg-type]
         if loss.teacher.has_logits:  # type: ignore[union-attr]
             lse_t = _lse(b)
         elif loss.kind == "forward":
