@@ -3,7 +3,7 @@
 ``xp`` is ``torch`` or ``jax.numpy``: only operators and functions both spell alike are used,
 so the plain-torch backend, the plain-JAX backend and the Pallas kernels (jnp inside the
 kernel) compute the same expressions. The Triton kernels translate them to ``tl``
-(``torch_kl/backends/triton_phases.py``). The math, per row, with ``a = f(z) / T``::
+(``torch_kl/backends/triton_terms.py``). The math, per row, with ``a = f(z) / T``::
 
     f(z)   = logit_scale * z, then softcap * tanh(. / softcap) if softcap     (student transform)
     log_q  = a - lse(a)                  q = exp(log_q)

@@ -43,7 +43,7 @@ import triton.language as tl
 
 from fused_kl.loss import Loss
 
-from .triton_phases import LOG2E, LOWEST, _transform
+from .triton_terms import LOG2E, LOWEST, transform
 
 SHIFT: tl.constexpr = tl.constexpr(16.0)
 LO: tl.constexpr = tl.constexpr(-40.0)
@@ -117,7 +117,7 @@ def _label_logit_kernel(x_ptr, w_ptr, y_ptr, out_ptr, H, V, scale, cap, CAPPED: 
         acc += tl.load(x_ptr + r * H + cols, mask=keep, other=0.0).to(tl.float32) * tl.load(
             w_row + cols, mask=keep, other=0.0
         ).to(tl.float32)
-    f = _transform(tl.sum(acc, axis=0), tl.cast(scale, tl.float32), tl.cast(cap, tl.float32), CAPPED)
+    f = transform(tl.sum(acc, axis=0), tl.cast(scale, tl.float32), tl.cast(cap, tl.float32), CAPPED)
     tl.store(out_ptr + r, tl.where(inside, f, 0.0))
 
 

@@ -2,7 +2,7 @@
 
 ``z = x W^T (+ b)`` as a persistent Triton GEMM. While a ``[BM, BN]`` tile of logits is still in
 registers, the epilogue computes that tile's share of ``fused_kl.rowmath.STATS`` with the same
-``triton_phases`` terms (log-sum-exps of ``f(z)/T`` and, for the hard term, of ``f(z)``; ``sum
+``triton_terms`` terms (log-sum-exps of ``f(z)/T`` and, for the hard term, of ``f(z)``; ``sum
 f(z)``) and stores it per column tile; :func:`logits_with_stats` combines the tiles like
 vocabulary shards. The statistics are those of the logits as stored (rounded to their dtype),
 the values the later phases read.
@@ -40,7 +40,8 @@ from fused_kl import rowmath
 from fused_kl.loss import Loss
 
 from .triton_factored import _exp_tile
-from .triton_phases import LN2, LOG2E, _common, _transform
+from .triton_phases import _common
+from .triton_terms import LN2, LOG2E, transform
 
 # Tile shape measured on the H200 (benchmarks/RESULTS-2026-12-01.md, RESULTS-2026-12-01-factored.md): a 128 x 256 tile,
 # 3 stages and one program per SM run the chunk's logits GEMM within 1 % of cuBLAS; the statistics
@@ -105,7 +106,7 @@ def _logits_kernel(
         out = part_ptr + pn * M + rows
         live = rows < M
         if EXP:  # f(z) from the float32 accumulator, exponentiated (triton_factored's epilogue)
-            f = _transform(acc, scale, cap, CAPPED)
+            f = transform(acc, scale, cap, CAPPED)
             if partial:
                 f = tl.where(valid, f, -float("inf"))
             values, tile_lse, tile_max = _exp_tile(f * inv_t, f, cap, CAPPED)
@@ -122,7 +123,7 @@ def _logits_kernel(
             tl.store(out + part_stride, tile_max, mask=live)
         else:
             if CAPPED:
-                f = _transform(zq.to(tl.float32), scale, cap, CAPPED)
+                f = transform(zq.to(tl.float32), scale, cap, CAPPED)
                 c = 1.0
             else:  # f(z) = scale * z: the scale joins the exponent's factor
                 f = zq.to(tl.float32)

@@ -1,9 +1,8 @@
 """The row phases as Triton kernels: one program per row of a chunk of logits.
 
-The math is ``fused_kl.terms``'s docstring, translated to ``tl`` term by term (``_transform``,
-``_teacher``, ``_soft_direction``, ...); ``jax_kl/backends/pallas_triton.py`` is the same
-kernels in Pallas. Three phases, each a kernel, with the driver's per-row math (and, for a
-sharded vocabulary, the all-reduces) between them:
+The math is ``fused_kl.terms``'s docstring, translated to ``tl`` term by term in ``triton_terms``;
+``jax_kl/backends/pallas_triton.py`` is the same kernels in Pallas. Three phases, each a kernel,
+with the driver's per-row math (and, for a sharded vocabulary, the all-reduces) between them:
 
 * ``stats``: online log-sum-exps of the student (at ``T`` and, for the hard term, at 1) and of
   teacher logits, the teacher's mass ``S = sum p``, ``sum f(z)``, ``f(z_y)`` and, online with
@@ -15,125 +14,39 @@ Each row is walked in ``[TILE_R, TILE_C]`` tiles (``fused_kl.plan``): running ma
 are kept per tile row and combined once. Offsets into the teacher are 64-bit (``N * V`` can
 exceed 2**31). Float arguments are cast to float32 on entry: ``torch.compile`` passes Python
 floats as float64, which would otherwise turn the loop-carried statistics into float64.
-
-At HBM speed these passes are bound by their arithmetic, so it is kept short. The scales arrive
-at run time (one compiled kernel serves every temperature) and the compiler cannot fold them:
-the kernels fold them themselves and work in base 2 (``log2 q = c z - lse2``, one FMA before an
-``exp2``). ``tl.log`` expands to about thirty instructions; :func:`_log` is the hardware's
-approximate ``lg2`` (two), within float32's rounding of the result (benchmarks/RESULTS.md).
+At HBM speed these passes are bound by their arithmetic: ``triton_terms`` says how it is kept short.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
-from fused_kl import rowmath, terms
+from fused_kl import rowmath
 from fused_kl.loss import KINDS, Loss
 
-PROBS: tl.constexpr = tl.constexpr(0)
-LOG_PROBS: tl.constexpr = tl.constexpr(1)
-LOGITS: tl.constexpr = tl.constexpr(2)
-NO_TEACHER: tl.constexpr = tl.constexpr(3)
-FORWARD: tl.constexpr = tl.constexpr(0)
-REVERSE: tl.constexpr = tl.constexpr(1)
-JSD: tl.constexpr = tl.constexpr(2)
+from .triton_terms import (
+    FORWARD,
+    LN2,
+    LOG2E,
+    LOG_PROBS,
+    LOGITS,
+    LOWEST,
+    NO_TEACHER,
+    PROBS,
+    fast_log,
+    log_mix,
+    log_softmax,
+    scaled,
+    slope,
+    soft_direction,
+    teacher_probs,
+    transform,
+)
+
 FORMATS = ("probs", "log_probs", "logits")
 N_STATS: tl.constexpr = tl.constexpr(len(rowmath.STATS))
-# The running maxima start here, not at -inf: a tile row that is all padding then keeps
-# exp(m - m_new) = 1 and its sum 0, where -inf - -inf would make it NaN.
-LOWEST: tl.constexpr = tl.constexpr(-3.0e38)
-LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
-LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
-# float32's smallest normal number: the approximate lg2 flushes anything smaller to 0.
-TINY: tl.constexpr = tl.constexpr(terms.TINY)
-# The approximate logarithm is CUDA's libdevice; Triton's interpreter (the CPU tests) and ROCm take tl.log.
-FAST_LOG: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1" and torch.version.hip is None)
-
-
-@triton.jit
-def _tanh(x):
-    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
-
-
-@triton.jit
-def _transform(z, scale, cap, CAPPED: tl.constexpr):
-    s = z * scale
-    if CAPPED:
-        s = cap * _tanh(s / cap)
-    return s
-
-
-@triton.jit
-def _log(x):
-    """``log(max(x, TINY))``: ``lg2.approx`` times ln 2 on the GPU, absolute error ~2e-7."""
-    x = tl.maximum(x, TINY)
-    if FAST_LOG:
-        return libdevice.fast_logf(x)
-    else:
-        return tl.log(x)
-
-
-@triton.jit
-def _scaled(z, scale, cap, c, CAPPED: tl.constexpr):
-    """``c * f(z)``; uncapped, one multiply (``scale * c`` is a scalar)."""
-    if CAPPED:
-        return c * _transform(z, scale, cap, CAPPED)
-    else:
-        return z * (scale * c)
-
-
-@triton.jit
-def _log_softmax(z, lse, inv_t, scale, cap, CAPPED: tl.constexpr):
-    """``(q, log q)`` of ``log q = f(z) / T - lse``, through base 2: one FMA before the ``exp2``."""
-    log2_q = _scaled(z, scale, cap, inv_t * LOG2E, CAPPED) - lse * LOG2E
-    return tl.exp2(log2_q), log2_q * LN2
-
-
-@triton.jit
-def _slope(z, scale, cap, CAPPED: tl.constexpr):
-    if CAPPED:
-        th = _tanh(z * (scale / cap))
-        return scale * (1.0 - th * th)
-    else:
-        return scale  # a scalar, broadcast: no work per element
-
-
-@triton.jit
-def _teacher(t, lse_t, inv_tt, t_scale, t_cap, eps, FORMAT: tl.constexpr, T_CAPPED: tl.constexpr):
-    if FORMAT == PROBS:
-        p = t
-        log_p = _log(tl.maximum(t, eps))
-    elif FORMAT == LOG_PROBS:
-        p = tl.exp(t)
-        log_p = t
-    else:
-        p, log_p = _log_softmax(t, lse_t, inv_tt, t_scale, t_cap, T_CAPPED)
-    return p, log_p
-
-
-@triton.jit
-def _log_mix(p, q, beta):
-    m = beta * p + (1.0 - beta) * q
-    return m > 0, _log(m)
-
-
-@triton.jit
-def _soft_direction(q, log_q, p, log_p, k, beta, KIND: tl.constexpr):
-    if KIND == FORWARD:
-        d = q * k - p
-    elif KIND == REVERSE:
-        d = q * (log_q - log_p - k)
-    elif KIND == JSD:
-        pos, log_m = _log_mix(p, q, beta)
-        d = tl.where(pos, (1.0 - beta) * q * (log_q - log_m - k), 0.0)
-    else:
-        d = q * k
-    return d
 
 
 @triton.jit
@@ -198,24 +111,24 @@ def _stats_kernel(
         cols = start + offs
         mask = cols < V
         z = tl.load(z_row + cols, mask=mask, other=0.0).to(tl.float32)
-        a = tl.where(mask, _scaled(z, scale, cap, inv_t * LOG2E, CAPPED), -float("inf"))
+        a = tl.where(mask, scaled(z, scale, cap, inv_t * LOG2E, CAPPED), -float("inf"))
         if FORMAT != NO_TEACHER:
             t = tl.load(t_row + cols * t_stride_c, mask=mask, other=0.0).to(tl.float32)
         if FORMAT == LOGITS:  # the teacher's log2 p before its log-sum-exp
-            b = _scaled(t, t_scale, t_cap, inv_tt * LOG2E, T_CAPPED)
+            b = scaled(t, t_scale, t_cap, inv_tt * LOG2E, T_CAPPED)
             mt, st = _online(mt, st, tl.where(mask, b, -float("inf")))
         elif FORMAT == LOG_PROBS:
             b = t * LOG2E
         elif FORMAT == PROBS:  # (only reverse KL reads it: dead code otherwise)
-            b = _log(tl.maximum(t, eps)) * LOG2E
+            b = fast_log(tl.maximum(t, eps)) * LOG2E
         if REV:
             m, s, u = _online_reverse(m, s, u, a, b)
         else:
             m, s = _online(m, s, a)
         if HARD_LSE:
-            mh, sh = _online(mh, sh, tl.where(mask, _scaled(z, scale, cap, LOG2E, CAPPED), -float("inf")))
+            mh, sh = _online(mh, sh, tl.where(mask, scaled(z, scale, cap, LOG2E, CAPPED), -float("inf")))
         if HARD:
-            f_sum += tl.sum(tl.where(mask, _transform(z, scale, cap, CAPPED), 0.0), axis=1)
+            f_sum += tl.sum(tl.where(mask, transform(z, scale, cap, CAPPED), 0.0), axis=1)
         if MASS:
             p = t
             if FORMAT == LOG_PROBS:
@@ -233,7 +146,7 @@ def _stats_kernel(
         y = tl.load(y_ptr + r)
         inside = (y >= 0) & (y < V)
         z_y = tl.load(z_row + tl.where(inside, y, 0)).to(tl.float32)
-        label_logit = tl.where(inside, _transform(z_y, scale, cap, CAPPED), 0.0)
+        label_logit = tl.where(inside, transform(z_y, scale, cap, CAPPED), 0.0)
     rho = 0.0
     if REV:
         rho = _reverse_part(m, s, u)
@@ -270,10 +183,10 @@ def _value_kernel(
         cols = start + offs
         mask = cols < V
         z = tl.load(z_row + cols, mask=mask, other=0.0).to(tl.float32)
-        q, log_q = _log_softmax(z, lse, inv_t, scale, cap, CAPPED)
+        q, log_q = log_softmax(z, lse, inv_t, scale, cap, CAPPED)
         t = tl.load(t_row + cols * t_stride_c, mask=mask, other=0.0).to(tl.float32)
-        p, log_p = _teacher(t, lse_t, inv_tt, t_scale, t_cap, eps, FORMAT, T_CAPPED)
-        pos, log_m = _log_mix(p, q, beta)
+        p, log_p = teacher_probs(t, lse_t, inv_tt, t_scale, t_cap, eps, FORMAT, T_CAPPED)
+        pos, log_m = log_mix(p, q, beta)
         acc_a += tl.sum(tl.where(mask & (p > 0), p * (log_p - log_m), 0.0), axis=1)
         acc_b += tl.sum(tl.where(mask & pos, q * (log_q - log_m), 0.0), axis=1)
     tl.store(out_ptr + r * 2, tl.sum(acc_a, axis=0))
@@ -313,23 +226,23 @@ def _finish_kernel(
         cols = start + offs
         mask = cols < V
         z = tl.load(z_row + cols, mask=mask, other=0.0).to(tl.float32)
-        q, log_q = _log_softmax(z, lse, inv_t, scale, cap, CAPPED)
+        q, log_q = log_softmax(z, lse, inv_t, scale, cap, CAPPED)
         if FORMAT != NO_TEACHER:
             t = tl.load(t_row + cols * t_stride_c, mask=mask, other=0.0).to(tl.float32)
-            p, log_p = _teacher(t, lse_t, inv_tt, t_scale, t_cap, eps, FORMAT, T_CAPPED)
+            p, log_p = teacher_probs(t, lse_t, inv_tt, t_scale, t_cap, eps, FORMAT, T_CAPPED)
         else:
             p = q
             log_p = log_q
         if KIND == FORWARD:
             acc += tl.sum(tl.where(mask & (p != 0.0), p * (log_p - log_q), 0.0), axis=1)
         if WRITE_GRAD:
-            g = c_soft * _soft_direction(q, log_q, p, log_p, k, beta, KIND)
+            g = c_soft * soft_direction(q, log_q, p, log_p, k, beta, KIND)
             if HARD:
                 q_hard = q  # at T = 1 the hard term's softmax is the soft term's
                 if HARD_LSE:
-                    q_hard = _log_softmax(z, lse_h, 1.0, scale, cap, CAPPED)[0]
+                    q_hard = log_softmax(z, lse_h, 1.0, scale, cap, CAPPED)[0]
                 g += c_hard * (q_hard - tl.where(cols == y, keep_label, 0.0) - smooth_per_v)
-            g = tl.where(live, g * _slope(z, scale, cap, CAPPED), 0.0)
+            g = tl.where(live, g * slope(z, scale, cap, CAPPED), 0.0)
             tl.store(z_row + cols, g.to(z_ptr.dtype.element_ty), mask=mask)
     tl.store(out_ptr + r, tl.sum(acc, axis=0))
 
