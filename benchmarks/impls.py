@@ -119,7 +119,7 @@ def _compiled_unfused(mode_name: str) -> LossFn:
 
 def _liger(mode: Mode, accum_dtype: torch.dtype | None = None) -> LossFn:
     """Liger's fused loss of the mode, where it has one: the KL against probabilities, the JSD
-    family against a teacher head (``jsd_beta`` 0: forward KL), and the cross-entropy."""
+    family against a teacher head (``jsd_beta`` 0: forward KL, 1: reverse), and the cross-entropy."""
     try:
         import liger_kernel.transformers as liger
     except ImportError as e:
@@ -127,7 +127,7 @@ def _liger(mode: Mode, accum_dtype: torch.dtype | None = None) -> LossFn:
     if mode.name == "kl":
         kl = liger.LigerFusedLinearKLDivLoss(accum_dtype=accum_dtype)
         return lambda x, w, a: kl(x, w, a["target"])
-    if mode.name == "hidden":
+    if mode.teacher == "hidden":
         jsd = liger.LigerFusedLinearJSD(jsd_beta=mode.beta, accum_dtype=accum_dtype)
         return lambda x, w, a: jsd(x, w, a["target"], a["teacher_weight"], None)
     if mode.teacher is None:

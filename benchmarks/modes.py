@@ -5,7 +5,7 @@ Every mode runs the same head on the same ``x``; the teacher differs:
 * ``kl``, ``reverse``, ``jsd``: teacher probabilities ``[N, V]`` (bf16), ``beta`` 0, 1 and 0.5;
 * ``hidden``: the teacher's hidden states ``[N, 2H]`` and head ``[V, 2H]``, a teacher twice the
   student's width (forward KL; the teacher's logits are one more GEMM, twice as long as the
-  student's, so the floor is four GEMMs);
+  student's, so the floor is four GEMMs); ``reverse-hidden``: the same teacher, reverse KL;
 * ``topk``: the teacher's top-64 log-probabilities and their token ids, the rest in a tail bin;
 * ``ce``: no teacher, labels only (``fused_linear_cross_entropy``).
 
@@ -55,6 +55,13 @@ MODES = {
             floor_gemms=4,
             about=f"forward KL, teacher hidden states [N, {TEACHER_WIDTH}H] and head [V, {TEACHER_WIDTH}H]; "
             "floor of 4 GEMMs",
+        ),
+        Mode(
+            "reverse-hidden",
+            "hidden",
+            {"target_format": "hidden", "beta": 1.0},
+            floor_gemms=4,
+            about=f"reverse KL (beta 1), the teacher head of mode hidden ([V, {TEACHER_WIDTH}H]); floor of 4 GEMMs",
         ),
         Mode(
             "topk",

@@ -43,10 +43,18 @@ def jsd(x: torch.Tensor, weight: torch.Tensor, arrays: dict[str, torch.Tensor], 
     return (beta * kl_pm + (1 - beta) * kl_qm) / x.shape[0]
 
 
+def _teacher_head(arrays: dict[str, torch.Tensor]) -> torch.Tensor:
+    return torch.log_softmax((arrays["target"] @ arrays["teacher_weight"].T).float(), dim=-1)
+
+
 def hidden(x: torch.Tensor, weight: torch.Tensor, arrays: dict[str, torch.Tensor]) -> torch.Tensor:
     """Forward KL against the teacher head's log-softmax (its logits are one more GEMM)."""
-    log_p = torch.log_softmax((arrays["target"] @ arrays["teacher_weight"].T).float(), dim=-1)
-    return F.kl_div(_log_q(x, weight), log_p, reduction="batchmean", log_target=True)
+    return F.kl_div(_log_q(x, weight), _teacher_head(arrays), reduction="batchmean", log_target=True)
+
+
+def reverse_hidden(x: torch.Tensor, weight: torch.Tensor, arrays: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Reverse KL against the teacher head: ``KL(q || p)`` with ``log_target``, over N."""
+    return F.kl_div(_teacher_head(arrays), _log_q(x, weight), reduction="batchmean", log_target=True)
 
 
 def topk(x: torch.Tensor, weight: torch.Tensor, arrays: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -75,6 +83,7 @@ TORCH: dict[str, LossFn] = {
     "reverse": reverse,
     "jsd": jsd,
     "hidden": hidden,
+    "reverse-hidden": reverse_hidden,
     "topk": topk,
     "ce": ce,
     "ce-smooth": ce_smooth,

@@ -152,7 +152,7 @@ def test_bench_lists_every_registry_backend() -> None:
     assert [n.replace("torch_kl/", "torch/").replace("jax_kl/", "jax/") for n in backends] == _registry_ids()
 
 
-@pytest.mark.parametrize("mode", ["kl", "hidden", "topk", "ce", "ce-smooth"])
+@pytest.mark.parametrize("mode", ["kl", "hidden", "reverse-hidden", "topk", "ce", "ce-smooth"])
 def test_bench_quick_writes_table_json_and_plot(tmp_path, mode: str) -> None:
     from benchmarks import bench, unfused
 
