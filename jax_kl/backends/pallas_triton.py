@@ -30,6 +30,8 @@ NEG_INF = float("-inf")
 
 
 def _wide(row: jax.Array, like: jax.Array) -> jax.Array:
+    """A per-tile-row value against the tile's columns (``online``'s ``wide``): broadcast by shape."""
+    del like
     return row[:, None]
 
 
