@@ -198,16 +198,20 @@ def _launch(step, tiled: list, rowvecs: list, inits: list[float], loss: Loss, wr
     return [o[:, :rows] for o in outs] + ([jax.freeze(arrays[0])] if write_grad else [])
 
 
-def _stats_step(cols, tiles, rowvecs, carry, g_ref, *, v: int, loss: Loss, has_teacher: bool, hard: bool):
+def _stats_step(cols, tiles, rowvecs, carry, g_ref, *, v: int, loss: Loss, hard: bool, reverse: bool, logits: bool,
+                mass: bool):  # fmt: skip
+    """The carries, in order: the student's (max, sum) and with ``reverse`` its ``u``
+    (``online.reverse_step``); the hard term's (max, sum); ``sum f``; the teacher logits'
+    (max, sum) or its ``mass``, as ``stats`` lays them out."""
     del rowvecs, g_ref
     teacher = loss.teacher
     vals = iter(carry)
     mask = cols < v
     f = terms.transform(_load(tiles[0]), loss.logit_scale, loss.softcap, jnp)
     a = jnp.where(mask, f / loss.temperature, NEG_INF)
-    if has_teacher and (teacher.has_logits or loss.kind == "reverse"):
+    if logits or reverse:
         b = terms.teacher_log(_load(tiles[1]), teacher, jnp)
-    if has_teacher and loss.kind == "reverse":
+    if reverse:
         new = list(online.reverse_step(next(vals), next(vals), next(vals), a, b, _wide))
     else:
         new = list(online.lse_step(next(vals), next(vals), a, _wide))
@@ -215,9 +219,9 @@ def _stats_step(cols, tiles, rowvecs, carry, g_ref, *, v: int, loss: Loss, has_t
         new += online.lse_step(next(vals), next(vals), jnp.where(mask, f, NEG_INF), _wide)
     if hard:
         new.append(next(vals) + jnp.sum(jnp.where(mask, f, 0.0), axis=1))
-    if has_teacher and teacher.has_logits:
+    if logits:
         new += online.lse_step(next(vals), next(vals), jnp.where(mask, b, NEG_INF), _wide)
-    elif has_teacher and loss.kind == "forward":
+    elif mass:
         p = terms.teacher_probs(_load(tiles[1]), teacher, 0.0, jnp)[0]
         new.append(next(vals) + jnp.sum(jnp.where(mask, p, 0.0), axis=1))
     return new
@@ -280,7 +284,7 @@ def stats(z: jax.Array, t, y: jax.Array | None, loss: Loss, tile: tuple[int, int
     has_mass = has_teacher and not logits and loss.kind == "forward"
     inits = [LOWEST, 0.0] + [0.0] * reverse + [LOWEST, 0.0] * loss.separate_hard_lse + [0.0] * hard
     inits += [LOWEST, 0.0] if logits else [0.0] * has_mass
-    step = functools.partial(_stats_step, v=v, loss=loss, has_teacher=has_teacher, hard=hard)
+    step = functools.partial(_stats_step, v=v, loss=loss, hard=hard, reverse=reverse, logits=logits, mass=has_mass)
     parts = iter(_launch(step, _tiled(z, t), [], inits, loss))
     zero = jnp.zeros((rows,), jnp.float32)
     m, s = next(parts), next(parts)
