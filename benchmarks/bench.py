@@ -149,7 +149,9 @@ def run(cfg: Config, impls: dict[str, Impl], on_gpu: bool) -> list[Row]:
     """Every (head, N, implementation) row, printed and saved as it completes."""
     device = torch.device("cuda" if on_gpu else "cpu")
     mode = MODES[cfg.mode]
+    # Where the files land says nothing about the measurement, and would name a machine path.
     config = dataclasses.asdict(cfg) | {"heads": [dataclasses.asdict(h) for h in cfg.heads]}
+    del config["out_dir"]
     meta = report.describe(torch.cuda.get_device_name() if on_gpu else "cpu", config, TIMING)
     rows: list[Row] = []
     bar = progress_bar(len(cfg.heads) * len(cfg.n) * len(cfg.impls))

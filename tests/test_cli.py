@@ -161,6 +161,7 @@ def test_bench_quick_writes_table_json_and_plot(tmp_path, mode: str) -> None:
     assert bench.main([*argv, "--out-dir", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "results.json").read_text())
     assert result["meta"]["config"]["mode"] == mode
+    assert "out_dir" not in result["meta"]["config"]  # the record names no machine path
     rows = {r["impl"]: r for r in result["rows"]}
     assert list(rows) == impls
     measured = [r for name, r in rows.items() if name != "xla" or mode in unfused.JAX]
