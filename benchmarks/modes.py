@@ -34,7 +34,6 @@ class Mode:
     name: str
     teacher: str | None  # "probs", "hidden", "topk", or None: cross-entropy on labels
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
-    floor_gemms: int = 3
     about: str = ""
 
     @property
@@ -52,7 +51,6 @@ MODES = {
             "hidden",
             "hidden",
             {"target_format": "hidden"},
-            floor_gemms=4,
             about=f"forward KL, teacher hidden states [N, {TEACHER_WIDTH}H] and head [V, {TEACHER_WIDTH}H]; "
             "floor of 4 GEMMs",
         ),
@@ -60,7 +58,6 @@ MODES = {
             "reverse-hidden",
             "hidden",
             {"target_format": "hidden", "beta": 1.0},
-            floor_gemms=4,
             about=f"reverse KL (beta 1), the teacher head of mode hidden ([V, {TEACHER_WIDTH}H]); floor of 4 GEMMs",
         ),
         Mode(
