@@ -52,7 +52,7 @@ NEG_INF = float("-inf")
 # The hardware's approximate exp2 and lg2 (``approx_math``): a handful of instructions where the
 # exact logarithm takes about thirty, as in torch_kl's Triton kernels (log arguments are clamped
 # at float32's smallest normal, ``fused_kl.terms.TINY``, since the approximation flushes smaller
-# ones). Not under a softcap: ``tanh.approx`` errs by up to 2^-11, too coarse for the logits.
+# ones). A softcap's tanh goes through exp (``XP``), not through the coarser ``tanh.approx``.
 APPROX_MATH = True
 NAME = "fused_kl_rows_mosaic"  # the kernel, as profiles and the lowered program name it
 WGMMA = plgpu.Layout.WGMMA
@@ -124,20 +124,28 @@ def unchecked_vma():
     return contextlib.nullcontext() if check is None else check(False)
 
 
-def _approx(loss: Loss) -> bool:
-    """Whether the kernel takes the approximate ``exp2``/``lg2``: not when a softcap's ``tanh`` is in it."""
-    teacher = loss.teacher
-    return APPROX_MATH and loss.softcap is None and (teacher is None or teacher.softcap is None)
+class _KernelNumpy:
+    """``jnp`` as ``fused_kl.terms`` sees it inside the kernels, ``tanh`` aside: under
+    ``approx_math``, ``jnp.tanh`` would lower to ``tanh.approx`` (error up to 2^-11, coarse for
+    capped logits); :func:`fused_kl.terms.tanh_by_exp` takes the approximate ``exp2`` instead,
+    as the Triton kernels do."""
+
+    tanh = staticmethod(functools.partial(terms.tanh_by_exp, xp=jnp))
+
+    def __getattr__(self, name: str):
+        return getattr(jnp, name)
 
 
-def _launch(step, tiled: list, rowvecs: list, inits: list[float], loss: Loss, write_grad: bool = False) -> list:
+XP = _KernelNumpy()
+
+
+def _launch(step, tiled: list, rowvecs: list, inits: list[float], write_grad: bool = False) -> list:
     """Run ``step(cols, tiles, rowvecs, carry, g_ref) -> carry`` over every ``[R, TV]`` tile.
 
     ``tiled`` are ``(array, first row block)``; ``rowvecs`` are ``[rows]`` float32 or int32
     per-row inputs. Returns the per-segment partials ``[segs, rows]`` of each carried value
     (``inits`` are their starting values), then, with ``write_grad``, ``dL/dz``: written over
     the logits (the first tiled array, passed as a mutable ref), each tile after it was read.
-    ``loss`` picks the compiler's math (:func:`_approx`).
     """
     rows, v = tiled[0][0].shape
     tv = TV[len(tiled) > 1]
@@ -192,7 +200,7 @@ def _launch(step, tiled: list, rowvecs: list, inits: list[float], loss: Loss, wr
 
     # pl.kernel on a Mosaic GPU mesh: plgpu.kernel's batching wrapper does not take a mutable ref.
     mesh = plgpu.Mesh(grid=(blocks, segs), grid_names=("rows", "segs"), kernel_name=NAME)
-    params = plgpu.CompilerParams(approx_math=_approx(loss))
+    params = plgpu.CompilerParams(approx_math=APPROX_MATH)
     with unchecked_vma():
         outs = pl.kernel(body, out_type=out_type, mesh=mesh, compiler_params=params, name=NAME)(*arrays, *rowvecs)
     return [o[:, :rows] for o in outs] + ([jax.freeze(arrays[0])] if write_grad else [])
@@ -207,10 +215,10 @@ def _stats_step(cols, tiles, rowvecs, carry, g_ref, *, v: int, loss: Loss, hard:
     teacher = loss.teacher
     vals = iter(carry)
     mask = cols < v
-    f = terms.transform(_load(tiles[0]), loss.logit_scale, loss.softcap, jnp)
+    f = terms.transform(_load(tiles[0]), loss.logit_scale, loss.softcap, XP)
     a = jnp.where(mask, f / loss.temperature, NEG_INF)
     if logits or reverse:
-        b = terms.teacher_log(_load(tiles[1]), teacher, jnp)
+        b = terms.teacher_log(_load(tiles[1]), teacher, XP)
     if reverse:
         new = list(online.reverse_step(next(vals), next(vals), next(vals), a, b, _wide))
     else:
@@ -222,7 +230,7 @@ def _stats_step(cols, tiles, rowvecs, carry, g_ref, *, v: int, loss: Loss, hard:
     if logits:
         new += online.lse_step(next(vals), next(vals), jnp.where(mask, b, NEG_INF), _wide)
     elif mass:
-        p = terms.teacher_probs(_load(tiles[1]), teacher, 0.0, jnp)[0]
+        p = terms.teacher_probs(_load(tiles[1]), teacher, 0.0, XP)[0]
         new.append(next(vals) + jnp.sum(jnp.where(mask, p, 0.0), axis=1))
     return new
 
@@ -231,9 +239,9 @@ def _value_step(cols, tiles, rowvecs, carry, g_ref, *, v: int, loss: Loss):
     del g_ref
     lse, lse_t = rowvecs
     mask = cols < v
-    log_q = terms.transform(_load(tiles[0]), loss.logit_scale, loss.softcap, jnp) / loss.temperature - _wide(lse, cols)
-    p, log_p = terms.teacher_probs(_load(tiles[1]), loss.teacher, _wide(lse_t, cols), jnp)  # type: ignore[arg-type]
-    a, b = terms.jsd_terms(jnp.exp(log_q), log_q, p, log_p, loss.beta, jnp)
+    log_q = terms.transform(_load(tiles[0]), loss.logit_scale, loss.softcap, XP) / loss.temperature - _wide(lse, cols)
+    p, log_p = terms.teacher_probs(_load(tiles[1]), loss.teacher, _wide(lse_t, cols), XP)  # type: ignore[arg-type]
+    a, b = terms.jsd_terms(jnp.exp(log_q), log_q, p, log_p, loss.beta, XP)
     return [carry[0] + jnp.sum(jnp.where(mask, a, 0.0), axis=1), carry[1] + jnp.sum(jnp.where(mask, b, 0.0), axis=1)]
 
 
@@ -243,22 +251,22 @@ def _finish_step(cols, tiles, rowvecs, carry, g_ref, *, v: int, v_total: int, lo
     lse, lse_h, lse_t, k, c_soft, c_hard = rowvecs
     mask = cols < v
     z = _load(tiles[0])
-    f = terms.transform(z, loss.logit_scale, loss.softcap, jnp)
+    f = terms.transform(z, loss.logit_scale, loss.softcap, XP)
     log_q = f / loss.temperature - _wide(lse, cols)
     q = jnp.exp(log_q)
     p, log_p = q, log_q
     if has_teacher:
-        p, log_p = terms.teacher_probs(_load(tiles[1]), loss.teacher, _wide(lse_t, cols), jnp)  # type: ignore[arg-type]
+        p, log_p = terms.teacher_probs(_load(tiles[1]), loss.teacher, _wide(lse_t, cols), XP)  # type: ignore[arg-type]
     acc = carry[0]
     if loss.kind == "forward":
-        acc = acc + jnp.sum(jnp.where(mask, terms.forward_term(p, log_p, log_q, jnp), 0.0), axis=1)
+        acc = acc + jnp.sum(jnp.where(mask, terms.forward_term(p, log_p, log_q, XP), 0.0), axis=1)
     if g_ref is not None:
         live = _wide(jnp.where((c_soft != 0.0) | (c_hard != 0.0), 1.0, 0.0), cols) != 0.0  # ignored rows: exactly 0
-        g = _wide(c_soft, cols) * terms.soft_direction(loss.kind, q, log_q, p, log_p, _wide(k, cols), loss.beta, jnp)
+        g = _wide(c_soft, cols) * terms.soft_direction(loss.kind, q, log_q, p, log_p, _wide(k, cols), loss.beta, XP)
         if hard:
             is_label = cols == _wide(y, cols)
-            g += _wide(c_hard, cols) * terms.hard_direction(f, _wide(lse_h, cols), is_label, loss, v_total, jnp)
-        g = jnp.where(live & mask, g * terms.slope(z, loss.logit_scale, loss.softcap, jnp), 0.0)
+            g += _wide(c_hard, cols) * terms.hard_direction(f, _wide(lse_h, cols), is_label, loss, v_total, XP)
+        g = jnp.where(live & mask, g * terms.slope(z, loss.logit_scale, loss.softcap, XP), 0.0)
         g_ref[...] = g.astype(g_ref.dtype)
     return [acc]
 
@@ -285,7 +293,7 @@ def stats(z: jax.Array, t, y: jax.Array | None, loss: Loss, tile: tuple[int, int
     inits = [LOWEST, 0.0] + [0.0] * reverse + [LOWEST, 0.0] * loss.separate_hard_lse + [0.0] * hard
     inits += [LOWEST, 0.0] if logits else [0.0] * has_mass
     step = functools.partial(_stats_step, v=v, loss=loss, hard=hard, reverse=reverse, logits=logits, mass=has_mass)
-    parts = iter(_launch(step, _tiled(z, t), [], inits, loss))
+    parts = iter(_launch(step, _tiled(z, t), [], inits))
     zero = jnp.zeros((rows,), jnp.float32)
     m, s = next(parts), next(parts)
     rho = online.reverse_part(m, s, next(parts)) if reverse else zero
@@ -307,7 +315,7 @@ def value(z: jax.Array, t, stats: jax.Array, loss: Loss, tile: tuple[int, int]) 
     _require_fit(z, t)
     v = z.shape[1]
     step = functools.partial(_value_step, v=v, loss=loss)
-    a, b = _launch(step, _tiled(z, t), [stats[:, 0], stats[:, 2]], [0.0, 0.0], loss)
+    a, b = _launch(step, _tiled(z, t), [stats[:, 0], stats[:, 2]], [0.0, 0.0])
     return jnp.stack([jnp.sum(a, axis=0), jnp.sum(b, axis=0)], axis=1)
 
 
@@ -328,6 +336,6 @@ def finish(
     rowvecs = ([] if y is None else [y.astype(jnp.int32)]) + [coefs[:, i] for i in range(6)]
     step = functools.partial(_finish_step, v=v, v_total=v_total, loss=loss, has_teacher=t is not None,
                              hard=y is not None)  # fmt: skip
-    outs = _launch(step, _tiled(z, t), rowvecs, [0.0], loss, write_grad)
+    outs = _launch(step, _tiled(z, t), rowvecs, [0.0], write_grad)
     sums = jnp.sum(outs[0], axis=0)
     return (outs[1], sums) if write_grad else (None, sums)

@@ -39,6 +39,7 @@ FAST_LOG: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1" 
 
 @triton.jit
 def tanh(x):
+    """``terms.tanh_by_exp``."""
     return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
 
 
