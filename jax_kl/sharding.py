@@ -162,19 +162,20 @@ def run_inside(layout: Layout, x, weight, bias, teacher, labels, loss: Loss, run
     backend was chosen by ``"auto"`` (then ``"xla"`` replaces ``"pallas"`` under ``check_vma=True``)."""
     axes = _names(layout.batch_axis) + _names(layout.vocab_axis)
     checked = any(a in _varying(lax.axis_index(a)) for a in axes)
-    if checked and run.backend == "pallas":
+    if checked and run.backend.startswith("pallas"):  # "pallas", "pallas_mosaic", "pallas_triton"
         if not auto:
-            _refuse_pallas()
+            _refuse_pallas(run.backend)
         run, compute = dataclasses.replace(run, backend="xla"), compute_of("xla")
     inputs = tuple(None if a is None else _varying(a) for a in (x, weight, bias))
     local = dataclasses.replace(layout, sum_grad_x=False)
     return _inside(x, weight, bias, teacher, labels, loss, run, local, compute, (checked, axes, inputs))
 
 
-def _refuse_pallas() -> None:
+def _refuse_pallas(backend: str) -> None:
     raise ValueError(
-        "backend: 'pallas' cannot run inside a shard_map with check_vma=True (Pallas does not track the varying "
-        "axes of its outputs); pass check_vma=False to shard_map, use mesh= with global arrays, or backend='xla'"
+        f"backend: {backend!r} cannot run inside a shard_map with check_vma=True (Pallas does not track the "
+        "varying axes of its outputs); pass check_vma=False to shard_map, use mesh= with global arrays, or "
+        "backend='xla'"
     )
 
 

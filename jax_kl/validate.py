@@ -89,7 +89,8 @@ def validate(
     shapes = check_array_args(facts, loss, v_total, **arrays)
     if chosen.single_device and not single_device:
         raise ValueError(
-            f"backend: {backend!r} runs on one device; mesh, batch_axis and vocab_axis need 'pallas' or 'xla'"
+            f"backend: {backend!r} runs on one device; mesh, batch_axis and vocab_axis need 'pallas', "
+            "'pallas_mosaic', 'pallas_triton' or 'xla'"
         )
     if arrays.get("labels") is not None and not jax.config.jax_enable_x64:
         # Else the comparison with the labels overflows inside the jitted program.

@@ -191,6 +191,22 @@ def test_jsd_module_honours_chunk_size(monkeypatch: pytest.MonkeyPatch) -> None:
     assert sizes == [3]
 
 
+@pytest.mark.parametrize(
+    ("module", "keyword"),
+    [
+        ("FusedLinearKLDivLoss", "bias"),
+        ("FusedLinearKLDivLoss", "labels"),
+        ("FusedLinearJSDLoss", "reduction"),
+        ("FusedLinearJSDLoss", "target_format"),
+        ("FusedLinearJSDLoss", "teacher_bias"),
+        ("FusedLinearCrossEntropyLoss", "bias"),
+    ],
+)
+def test_modules_refuse_at_construction_what_they_pass_themselves(module: str, keyword: str) -> None:
+    with pytest.raises(TypeError, match=rf"^{keyword}: this module sets it"):
+        getattr(torch_kl, module)(**{keyword: None})
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("g", [1.0, 3.0, 0.1])
 def test_rescale_kernel_multiplies_in_float32(dtype: torch.dtype, g: float) -> None:

@@ -8,12 +8,23 @@ import torch
 from .api import fused_linear_cross_entropy, fused_linear_kl_div
 
 
+def _constructor_options(options: dict, taken: tuple[str, ...]) -> dict:
+    """``options`` for every call, refusing at construction a keyword the module passes itself
+    (``taken``: ``forward``'s arguments, or what the module fixes), which would otherwise fail at
+    the first call with Python's "multiple values" error."""
+    for name in options:
+        if name in taken:
+            raise TypeError(f"{name}: this module sets it on every call (pass it to forward() if it is an input there)")
+    return options
+
+
 class FusedLinearKLDivLoss(torch.nn.Module):
     """Fused LM head + distillation loss; see :func:`torch_kl.fused_linear_kl_div`.
 
     The constructor's first five parameters and ``forward(x, weight, target, labels=None,
     bias=None)`` have the positional order of Liger's ``LigerFusedLinearKLDivLoss``, so it is
-    a drop-in replacement; every other keyword of the function is accepted, keyword-only.
+    a drop-in replacement; every other keyword of the function is accepted, keyword-only, except
+    ``forward``'s arguments (``bias``, ``labels``), which are refused with a ``TypeError``.
     """
 
     def __init__(
@@ -32,7 +43,7 @@ class FusedLinearKLDivLoss(torch.nn.Module):
             temperature=temperature,
             eps=eps,
             accum_dtype=accum_dtype,
-            **options,
+            **_constructor_options(options, ("x", "weight", "target", "labels", "bias")),
         )
 
     def forward(
@@ -56,7 +67,9 @@ class FusedLinearJSDLoss(torch.nn.Module):
 
     ``compiled`` is accepted and ignored (nothing here needs ``torch.compile``); ``chunk_size``
     is honoured; ``return_soft_hard_loss=True`` returns ``(loss, soft, hard)``, each unweighted
-    part reduced over the kept rows.
+    part reduced over the kept rows. Other keywords of :func:`torch_kl.fused_linear_kl_div` are
+    accepted, except those this module sets (``target_format``, ``reduction``, ``bias``,
+    ``teacher_weight``, ``teacher_bias``, the loss weights), refused with a ``TypeError``.
     """
 
     def __init__(
@@ -82,7 +95,9 @@ class FusedLinearJSDLoss(torch.nn.Module):
             chunk_size=chunk_size,
             target_format="hidden",
             reduction="batchmean",
-            **options,
+            **_constructor_options(
+                options, ("target_format", "reduction", "bias", "teacher_weight", "teacher_bias", "labels")
+            ),
         )
 
     def forward(
@@ -111,11 +126,12 @@ class FusedLinearJSDLoss(torch.nn.Module):
 
 class FusedLinearCrossEntropyLoss(torch.nn.Module):
     """Fused LM head + cross-entropy; see :func:`torch_kl.fused_linear_cross_entropy`.
-    ``forward(x, weight, labels, bias=None)``."""
+    ``forward(x, weight, labels, bias=None)``; the constructor takes the function's keywords but
+    ``bias`` and ``labels``."""
 
     def __init__(self, **options: object) -> None:
         super().__init__()
-        self.options = options
+        self.options = _constructor_options(options, ("x", "weight", "labels", "bias"))
 
     def forward(
         self, x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, bias: torch.Tensor | None = None

@@ -32,7 +32,7 @@ def stats(z: jax.Array, t, y: jax.Array | None, loss: Loss, tile: tuple[int, int
 
 
 def value(z: jax.Array, t, stats: jax.Array, loss: Loss, tile: tuple[int, int]) -> jax.Array:
-    """Phase 2 (reverse KL, JSD): each row's sums."""
+    """Phase 2 (JSD): each row's sums."""
     return _pick(z, t).value(z, t, stats, loss, tile)
 
 

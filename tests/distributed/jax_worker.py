@@ -209,9 +209,10 @@ def _validation() -> None:
     inside = jax.shard_map(lambda a: loss_fn("probs", dict(backend="triton"))(a, batch_axis="b"), mesh=mesh,
                            in_specs=(sp,), out_specs=P(), check_vma=False)  # fmt: skip
     _raises(lambda: inside(p), "backend:", "one device")
-    pallas = jax.shard_map(lambda a: loss_fn("probs", dict(backend="pallas"))(a, batch_axis="b"), mesh=mesh,
-                           in_specs=(sp,), out_specs=P(), check_vma=True)  # fmt: skip
-    _raises(lambda: pallas(p), "backend:", "check_vma=False")
+    for name in ("pallas", "pallas_triton"):  # every Pallas lowering, named in the error
+        pallas = jax.shard_map(lambda a, name=name: loss_fn("probs", dict(backend=name))(a, batch_axis="b"),
+                               mesh=mesh, in_specs=(sp,), out_specs=P(), check_vma=True)  # fmt: skip
+        _raises(lambda pallas=pallas: pallas(p), f"backend: {name!r}", "check_vma=False")
 
 
 CASES["validation"] = _validation
