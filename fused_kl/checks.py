@@ -89,12 +89,11 @@ def check_options(
     teacher_softcap: object = None,
     accum_dtype: str | None = None,
     chunk_size: object = None,
-    backend: str = "auto",
     with_teacher: bool = True,
 ) -> tuple[Loss, RunOptions]:
-    """Validate every keyword argument; ``accum_dtype`` arrives as a dtype name or None and
-    ``backend`` already resolved by the framework's registry. ``with_teacher=False`` is the
-    fused cross-entropy: no soft term."""
+    """Validate every keyword argument but ``backend`` (the framework's registry resolves it and
+    sets it in the returned ``RunOptions``); ``accum_dtype`` arrives as a dtype name or None.
+    ``with_teacher=False`` is the fused cross-entropy: no soft term."""
     if reduction == "none":
         raise ValueError(
             "reduction: 'none' is not supported: the gradient is computed in the forward pass, "
@@ -154,9 +153,7 @@ def check_options(
         softcap=_optional_positive("softcap", softcap),
         teacher=teacher if with_teacher else None,
     )
-    run = RunOptions(
-        accum_dtype=accum_dtype, chunk_size=None if chunk_size is None else int(chunk_size), backend=backend
-    )
+    run = RunOptions(accum_dtype=accum_dtype, chunk_size=None if chunk_size is None else int(chunk_size))
     return loss, run
 
 

@@ -123,7 +123,7 @@ def row_phases(
     if kind == "forward":
         soft = layout.vocab_sum(partial)
     elif topk is None:
-        soft = rowmath.soft_rows(kind, value_sums, None, loss.beta) if loss.soft else None
+        soft = rowmath.soft_rows(kind, value_sums, loss.beta) if loss.soft else None
     if topk is not None and write_grad:
         g = ops.set_at(g, at, g_at, write)
     labels_ok = True if y is None else (y >= 0) & (y < v_total)

@@ -158,13 +158,9 @@ def row_losses(
     return xp.where(keep, total, 0.0)
 
 
-def soft_rows(kind: str, phase2: Any | None, phase3: Any, beta: float) -> Any:
-    """The soft loss of each row from the phase sums (forward: phase 3's; reverse/JSD: the value sums)."""
-    if kind == "reverse":
-        return phase2[:, 0]
-    if kind == "jsd":
-        return beta * phase2[:, 0] + (1.0 - beta) * phase2[:, 1]
-    return phase3
+def soft_rows(kind: str, value_sums: Any, beta: float) -> Any:
+    """Reverse KL's or JSD's soft loss of each row, from its ``value_sums`` (``R``; ``A, B``)."""
+    return value_sums[:, 0] if kind == "reverse" else beta * value_sums[:, 0] + (1.0 - beta) * value_sums[:, 1]
 
 
 def topk(

@@ -95,7 +95,7 @@ def forward(
             z = dot(xc, weight, (1, 1), x.dtype)
         else:
             z = (dot(xc, weight, (1, 1), jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
-        t = teachers.dense_chunk(loss, teacher, start, stop, hidden)
+        t = teachers.dense_chunk(loss, teacher, start, hidden)
         y = None if labels is None else labels[start:stop]
         topk = None if teacher.indices is None else (teacher.target[start:stop], teacher.indices[start:stop])
         g, row_loss = row_phases(z, t, y, keep[start:stop], topk, v0, v_total, weights, loss, layout, phases,
@@ -128,6 +128,5 @@ def forward(
 
 
 def _hidden_rows(loss: Loss, teacher: TeacherArrays, start: int, stop: int) -> jax.Array | None:
-    if loss.teacher is None or loss.teacher.format != "hidden" or not loss.soft:
-        return None
-    return teacher.target[start:stop]  # type: ignore[index]
+    """A teacher head's hidden states of the chunk, else None."""
+    return teacher.target[start:stop] if loss.teacher is not None and loss.teacher_head else None  # type: ignore[index]

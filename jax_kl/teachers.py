@@ -26,14 +26,15 @@ class TeacherArrays(NamedTuple):
     indices: jax.Array | None = None
 
 
-def dense_chunk(loss: Loss, arrays: TeacherArrays, start: int, stop: int, rows_in: jax.Array | None = None):
-    """The chunk's dense teacher as ``(array, row0)``, or None. For a teacher head, ``rows_in``
+def dense_chunk(
+    loss: Loss, arrays: TeacherArrays, start: int, hidden: jax.Array | None
+) -> tuple[jax.Array, int] | None:
+    """The chunk's dense teacher as ``(array, row0)``, or None. For a teacher head, ``hidden``
     is the chunk of its hidden states (sliced by the driver, after its barrier)."""
     if loss.teacher is None or loss.teacher.dense_format is None or not loss.soft:
         return None
-    if loss.teacher.format != "hidden":
-        return arrays.target, start
-    hidden = arrays.target[start:stop] if rows_in is None else rows_in  # type: ignore[index]
+    if hidden is None:
+        return arrays.target, start  # type: ignore[return-value]
     if arrays.bias is None:
         return dot(hidden, arrays.weight, (1, 1), hidden.dtype), 0
     u = dot(hidden, arrays.weight, (1, 1), jnp.float32) + arrays.bias.astype(jnp.float32)  # type: ignore[union-attr]

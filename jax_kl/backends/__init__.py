@@ -110,7 +110,10 @@ def resolve(name: object) -> Backend:
     if name not in NAMES:
         raise unknown_backend(name, NAMES)
     if name == "auto":
-        return REGISTRY["pallas" if _on_gpu() else "xla"]
+        for candidate in AUTO_ORDER:
+            backend = REGISTRY[candidate]
+            if (_on_gpu() or candidate == "xla") and backend.missing() is None:
+                return backend
     backend = REGISTRY[ALIASES.get(name, name)]  # type: ignore[arg-type]
     if (why := backend.missing()) is not None:
         raise backend_unavailable(str(name), why)

@@ -333,7 +333,7 @@ def finish(
     del tile
     _require_fit(z, t)
     v = z.shape[1]
-    rowvecs = ([] if y is None else [y.astype(jnp.int32)]) + [coefs[:, i] for i in range(6)]
+    rowvecs = ([] if y is None else [y.astype(jnp.int32)]) + [coefs[:, i] for i in range(len(rowmath.COEFS))]
     step = functools.partial(_finish_step, v=v, v_total=v_total, loss=loss, has_teacher=t is not None,
                              hard=y is not None)  # fmt: skip
     outs = _launch(step, _tiled(z, t), rowvecs, [0.0], write_grad)

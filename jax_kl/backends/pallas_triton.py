@@ -109,7 +109,7 @@ def _stats_kernel(*refs, v: int, loss: Loss, has_teacher: bool, hard: bool, tile
     out_ref[3] = jnp.sum(mass)
     out_ref[4] = jnp.sum(f_sum)
     out_ref[5] = label_logit
-    out_ref[6] = online.reverse_part(m, s, u) if reverse else jnp.float32(0.0)
+    out_ref[rowmath.REVERSE] = online.reverse_part(m, s, u) if reverse else jnp.float32(0.0)
 
 
 def _value_kernel(z_ref, t_ref, stats_ref, out_ref, *, v: int, loss: Loss, tile: tuple[int, int]):
@@ -137,7 +137,7 @@ def _finish_kernel(
     coef_ref, *refs = refs
     g_ref = refs.pop(0) if write_grad else None  # aliases z
     (out_ref,) = refs
-    lse, lse_h, lse_t, k, c_soft, c_hard = (coef_ref[i] for i in range(6))
+    lse, lse_h, lse_t, k, c_soft, c_hard = (coef_ref[i] for i in range(len(rowmath.COEFS)))
     live = (c_soft != 0.0) | (c_hard != 0.0)  # ignored rows: exactly 0, never NaN
     y = y_ref[0] if hard else -1
 
@@ -239,6 +239,7 @@ def finish(
         out_shape.insert(0, jax.ShapeDtypeStruct(z.shape, z.dtype))
         out_specs.insert(0, _row(v))
     outs = _call(
-        kernel, rows, [*args, coefs], [*specs, _row(6)], out_shape, out_specs, tile, {0: 0} if write_grad else None
+        kernel, rows, [*args, coefs], [*specs, _row(len(rowmath.COEFS))], out_shape, out_specs, tile,
+        {0: 0} if write_grad else None,
     )
     return (outs[0], outs[1]) if write_grad else (None, outs[0])

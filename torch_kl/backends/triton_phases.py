@@ -47,6 +47,7 @@ from .triton_terms import (
 
 FORMATS = ("probs", "log_probs", "logits")
 N_STATS: tl.constexpr = tl.constexpr(len(rowmath.STATS))
+N_COEFS: tl.constexpr = tl.constexpr(len(rowmath.COEFS))
 
 
 @triton.jit
@@ -210,7 +211,7 @@ def _finish_kernel(
     t_row = t_ptr + r * t_stride_r
     offs = tl.arange(0, TILE_R)[:, None] * TILE_C + tl.arange(0, TILE_C)[None, :]
     BLOCK: tl.constexpr = TILE_R * TILE_C
-    coef = coef_ptr + r * 6
+    coef = coef_ptr + r * N_COEFS
     lse = tl.load(coef)
     lse_h = tl.load(coef + 1)
     lse_t = tl.load(coef + 2)
@@ -263,7 +264,7 @@ def _common(loss: Loss) -> dict:
 
 
 def _format(loss: Loss, t: torch.Tensor | None) -> int:
-    return 3 if t is None else FORMATS.index(loss.teacher.dense_format)  # type: ignore[union-attr]
+    return NO_TEACHER if t is None else FORMATS.index(loss.teacher.dense_format)  # type: ignore[union-attr]
 
 
 def _teacher_args(z: torch.Tensor, t: torch.Tensor | None) -> tuple:
