@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from fused_kl_cli.cli import prepare_environment
+
 from . import report
 from .impls import Impl
 from .measure import ROUNDS, Timing, measure, release, sync
@@ -184,10 +186,9 @@ def run(cfg: Config, impls: dict[str, Impl], on_gpu: bool) -> list[Row]:
 
 
 def _prepare_environment(on_gpu: bool) -> None:
-    """Before JAX and Triton are imported: share the GPU with torch; on CPU, interpret the kernels."""
-    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    """The command line's environment; on the CPU also JAX's platform, so JAX is timed where torch is."""
+    prepare_environment(on_gpu)
     if not on_gpu:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 

@@ -1,7 +1,7 @@
 """The argument contract (docs/contract.md), checked once for both frameworks.
 
 Each framework's ``validate`` module reduces its arrays to :class:`ArrayFacts` and calls
-:func:`check_options` and :func:`check_arrays`, so a bad input raises the same error with the
+:func:`check_options` and :func:`check_array_args`, so a bad input raises the same error with the
 same message in ``torch_kl`` and ``jax_kl``, before any kernel runs.
 """
 
@@ -13,9 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .loss import REDUCTIONS, TARGET_FORMATS, TOPK_TAILS, Loss, Teacher
-from .options import ACCUM_DTYPES, RunOptions
-
-FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+from .options import FLOAT_DTYPES, RunOptions
 
 
 @dataclass(frozen=True)
@@ -132,8 +130,8 @@ def check_options(
         topk_tail=topk_tail,
         eps=eps,
     )
-    if accum_dtype is not None and accum_dtype not in ACCUM_DTYPES:
-        raise TypeError(f"accum_dtype: expected None or one of {', '.join(ACCUM_DTYPES)}, got {accum_dtype}")
+    if accum_dtype is not None and accum_dtype not in FLOAT_DTYPES:
+        raise TypeError(f"accum_dtype: expected None or one of {', '.join(FLOAT_DTYPES)}, got {accum_dtype}")
     if chunk_size is not None:
         if not _is_int(chunk_size):
             raise TypeError(
@@ -166,7 +164,7 @@ def cross_entropy_reduction(reduction: object) -> object:
 
 
 def _shape(facts: ArrayFacts) -> str:
-    return "[" + ", ".join(str(d) for d in facts.shape) + "]"
+    return _dims(facts.shape)
 
 
 def _dims(dims: tuple[int, ...]) -> str:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-ACCUM_DTYPES = ("float32", "bfloat16", "float16")
+# The floating dtypes of the inputs, and those grad_weight can be accumulated in.
+FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)

@@ -186,8 +186,9 @@ def backends() -> dict[str, str]:
     return found
 
 
-def _rel(got: np.ndarray, want: np.ndarray) -> float:
-    got = np.asarray(got, np.float64)
+def relative_error(got: np.ndarray, want: np.ndarray) -> float:
+    """``|got - want| / |want|`` in float64 (NaN in ``got`` gives NaN)."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     return float(np.linalg.norm(got - want) / np.linalg.norm(want))
 
 
@@ -212,7 +213,7 @@ def check_backend(backend: str, runs: str, p: Problem, want: dict[str, dict[str,
         except Exception as e:  # a broken backend is a failed check, not a crash of the self-test
             failures.append(f"{case.name}: {type(e).__name__}: {e}")
             continue
-        errors[case.name] = float(np.max([_rel(got[k], want[case.name][k]) for k in OUTPUTS]))  # keeps a NaN
+        errors[case.name] = float(np.max([relative_error(got[k], want[case.name][k]) for k in OUTPUTS]))  # keeps a NaN
         if not errors[case.name] <= TOLERANCE:
             failures.append(f"{case.name}: error {errors[case.name]:.2e}")
     note = "; ".join(failures) if failures else runs

@@ -55,14 +55,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def prepare_environment() -> None:
-    """Set what Triton and JAX read when they start; called by :func:`main`, before either is imported.
+def prepare_environment(on_gpu: bool | None = None) -> None:
+    """Set what Triton and JAX read when they start, before either is imported (``main`` here,
+    and the benchmarks); ``on_gpu``: whether an NVIDIA GPU is to be used (None: whether one is there).
 
     Without an NVIDIA GPU the Triton kernels can only run in Triton's interpreter; and torch and
-    JAX share this process, so JAX must not take most of the GPU's memory up front. Values the
-    caller set already are kept.
+    JAX share the process, so JAX must not take most of the GPU's memory up front. JAX's platform
+    is left to JAX (``check`` runs its backends wherever JAX runs). Values the caller set already
+    are kept.
     """
-    if shutil.which("nvidia-smi") is None:
+    if not (shutil.which("nvidia-smi") is not None if on_gpu is None else on_gpu):
         os.environ.setdefault("TRITON_INTERPRET", "1")
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 

@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from .check import relative_error
+
 # Sizes small enough that the bridges, interpreted on CPU (about 4 ms per row for the Triton
 # interpreter), keep the whole demo to a minute or two on two cores (the interpreted
 # jax→triton bridge takes most of it).
@@ -72,11 +74,6 @@ def make_problem(steps: int, seed: int) -> Problem:
         init={k: v.astype(np.float32) for k, v in init.items()},
         batches=rng.integers(0, ROWS, (steps, BATCH)),
     )
-
-
-def _rel(got: np.ndarray, want: np.ndarray) -> float:
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
 
 
 def first_step_reference(problem: Problem) -> tuple[float, dict[str, np.ndarray]]:
@@ -269,7 +266,7 @@ def main(steps: int, out: Path, seed: int) -> int:
     worst_reference = 0.0
     for name, r in results.items():
         loss_diff = abs(r.losses[0] - want_loss) / abs(want_loss)
-        grad_diff = max(_rel(r.first_grads[k], want_grads[k]) for k in want_grads)
+        grad_diff = max(relative_error(r.first_grads[k], want_grads[k]) for k in want_grads)
         worst_reference = max(worst_reference, loss_diff, grad_diff)
         print(f"  {name:<11} {r.losses[0]:>12.6f} {loss_diff:>14.2e} {grad_diff:>14.2e}")
 
