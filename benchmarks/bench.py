@@ -185,7 +185,7 @@ def run(cfg: Config, impls: dict[str, Impl], on_gpu: bool) -> list[Row]:
     return rows
 
 
-def _prepare_environment(on_gpu: bool) -> None:
+def bench_environment(on_gpu: bool) -> None:
     """The command line's environment; on the CPU also JAX's platform, so JAX is timed where torch is."""
     prepare_environment(on_gpu)
     if not on_gpu:
@@ -195,7 +195,7 @@ def _prepare_environment(on_gpu: bool) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; the arguments are those of ``python -m benchmarks.bench``."""
     on_gpu = torch.cuda.is_available()
-    _prepare_environment(on_gpu)
+    bench_environment(on_gpu)
     from .impls import build  # imports the backend registries, so triton and JAX: after the environment
 
     impls = build()

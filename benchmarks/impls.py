@@ -9,7 +9,10 @@ it has no version of the mode.
 The anchors: the GEMM floor, the unfused loss (eager and ``torch.compile``, and jnp under XLA
 where written), and Liger's fused losses where one computes the mode's loss. The library: one
 row per backend of ``torch_kl.backends.REGISTRY`` and of ``jax_kl.backends.REGISTRY``, plus
-``torch_kl``'s default backend with fp32 accumulation and with the low-memory chunk size.
+``torch_kl``'s default backend with fp32 accumulation and with the low-memory chunk size, and
+the A/B rows that price one optimisation each: ``torch_kl/triton-cublas-logits`` (no fused
+logits GEMM), ``-unfactored`` (``dL/dz`` written by ``finish``), ``-unchecked`` (no eager value
+checks), and ``jax_kl/pallas-cublas``, ``pallas_triton-cublas`` (XLA's Triton GEMMs off).
 """
 
 from __future__ import annotations

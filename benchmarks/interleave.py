@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from .bench import _prepare_environment, progress_bar
+from .bench import bench_environment, progress_bar
 from .measure import Timing, sync, time_ms
 from .modes import MODES, make_inputs, make_weight
 from .shapes import parse_head
@@ -44,7 +44,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     on_gpu = torch.cuda.is_available()
-    _prepare_environment(on_gpu)
+    bench_environment(on_gpu)
     from .impls import build
 
     impls = build()

@@ -30,8 +30,9 @@ def _forward(x, weight, bias, teacher, labels, loss, run, layout, compute):
     return value, (grad_x, grad_w, grad_b)
 
 
-def _scale(grad: jax.Array | None, ct: jax.Array) -> jax.Array | None:
-    # Multiply in float32 so a low-precision gradient is rounded once.
+def scale_grad(grad: jax.Array | None, ct: jax.Array) -> jax.Array | None:
+    """A saved gradient times the upstream cotangent ``ct``, multiplied in float32 so a
+    low-precision gradient is rounded once (the backward pass of every layout)."""
     return None if grad is None else (grad.astype(jnp.float32) * ct).astype(grad.dtype)
 
 
@@ -39,7 +40,7 @@ def _backward(loss, run, layout, compute, res, ct):
     del loss, run, layout, compute
     grad_x, grad_w, grad_b = res
     # The teacher and labels get no gradient (stop_gradient semantics).
-    return _scale(grad_x, ct), _scale(grad_w, ct), _scale(grad_b, ct), None, None
+    return scale_grad(grad_x, ct), scale_grad(grad_w, ct), scale_grad(grad_b, ct), None, None
 
 
 fused_linear_loss.defvjp(_forward, _backward)

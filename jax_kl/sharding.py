@@ -37,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 from fused_kl.loss import Loss
 from fused_kl.options import RunOptions
 
-from .autograd import _scale, fused_linear_loss
+from .autograd import fused_linear_loss, scale_grad
 from .backends import compute_of
 from .layout import Layout
 from .teachers import TeacherArrays
@@ -194,11 +194,11 @@ def _inside_backward(loss, run, layout, compute, how, res, ct):
     checked, axes, inputs = how
     if not checked:
         ct = lax.psum(ct, axes)
-        return (*(_scale(g, ct) for g in res), None, None)
+        return (*(scale_grad(g, ct) for g in res), None, None)
     grads = []
     for grad, varying in zip(res, inputs, strict=True):
         if grad is not None:
-            grad = _scale(grad, ct)
+            grad = scale_grad(grad, ct)
             if extra := tuple(sorted(_varying(grad) - varying)):
                 grad = lax.psum(grad, extra)
             if missing := tuple(sorted(varying - _varying(grad))):

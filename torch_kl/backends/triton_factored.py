@@ -60,7 +60,7 @@ def takes(x: torch.Tensor, bias: torch.Tensor | None, loss: Loss) -> bool:
 
 
 @triton.jit
-def _exp_tile(a, f, cap, CAPPED: tl.constexpr):
+def exp_tile(a, f, cap, CAPPED: tl.constexpr):
     """``(E, each row's log-sum-exp, each row's max)`` of a tile of exponents ``a = f(z) / T``
     (``-inf`` past the vocabulary): ``exp(a - shift) u`` with the shift ``SHIFT`` on rows whose
     max lies in the window, the max itself on the others."""
@@ -125,7 +125,7 @@ def _label_logit_kernel(x_ptr, w_ptr, y_ptr, out_ptr, H, V, scale, cap, CAPPED: 
 def _repair_kernel(z_ptr, tile_max_ptr, shift_ptr, flag_ptr, rows, V, BN: tl.constexpr):
     """Row ``r`` of ``E`` rescaled to the shift ``shift[r]`` where ``flag[r]`` is 1, zeroed where
     it is 2: each column tile holds ``exp(a - its shift) u``, its shift told by its max as in
-    :func:`_exp_tile`."""
+    :func:`exp_tile`."""
     r = tl.program_id(0)
     flag = tl.load(flag_ptr + r)
     if flag != 0:
@@ -142,7 +142,7 @@ def _repair_kernel(z_ptr, tile_max_ptr, shift_ptr, flag_ptr, rows, V, BN: tl.con
 
 
 @triton.jit
-def _exponents_at(z_ptr, tile_max_ptr, x_ptr, w_ptr, r, at, keep, rows, V, H, x_to_a, BN: tl.constexpr,
+def exponents_at(z_ptr, tile_max_ptr, x_ptr, w_ptr, r, at, keep, rows, V, H, x_to_a, BN: tl.constexpr,
                   BK: tl.constexpr, BH: tl.constexpr):  # fmt: skip
     """Row ``r``'s exponents ``a = f(z) / T`` at the columns ``at`` (where ``keep``): ``log E`` plus
     the column tile's shift (``E``'s rounding moves them by at most ``2**-9``), or ``x_to_a (x_r .
@@ -168,12 +168,12 @@ def _logits_at_kernel(
     z_ptr, tile_max_ptr, at_ptr, inside_ptr, x_ptr, w_ptr, out_ptr, rows, V, H, K, t_over_scale,
     BN: tl.constexpr, BK: tl.constexpr, BH: tl.constexpr,
 ):  # fmt: skip
-    """The raw logits ``z[r, at[r, i]] = a T / logit_scale`` where ``inside`` (:func:`_exponents_at`)."""
+    """The raw logits ``z[r, at[r, i]] = a T / logit_scale`` where ``inside`` (:func:`exponents_at`)."""
     r = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, BK)
     keep = (i < K) & (tl.load(inside_ptr + r * K + i, mask=i < K, other=0) != 0)
     at = tl.load(at_ptr + r * K + i, mask=keep, other=0)
-    a = _exponents_at(z_ptr, tile_max_ptr, x_ptr, w_ptr, r, at, keep, rows, V, H, 1.0 / t_over_scale, BN, BK, BH)
+    a = exponents_at(z_ptr, tile_max_ptr, x_ptr, w_ptr, r, at, keep, rows, V, H, 1.0 / t_over_scale, BN, BK, BH)
     tl.store(out_ptr + r * K + i, a * t_over_scale, mask=i < K)
 
 

@@ -39,8 +39,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from fused_kl import rowmath
 from fused_kl.loss import Loss
 
-from .triton_factored import _exp_tile
-from .triton_phases import _common
+from .triton_factored import exp_tile
+from .triton_phases import kernel_floats
 from .triton_terms import LN2, LOG2E, transform
 
 # Tile shape measured on the H200 (benchmarks/RESULTS-2026-12-01.md, RESULTS-2026-12-01-factored.md): a 128 x 256 tile,
@@ -109,7 +109,7 @@ def _logits_kernel(
             f = transform(acc, scale, cap, CAPPED)
             if partial:
                 f = tl.where(valid, f, -float("inf"))
-            values, tile_lse, tile_max = _exp_tile(f * inv_t, f, cap, CAPPED)
+            values, tile_lse, tile_max = exp_tile(f * inv_t, f, cap, CAPPED)
             zq = values.to(tl.bfloat16)
         else:
             zq = acc.to(tl.float16 if F16 else tl.bfloat16)
@@ -183,7 +183,7 @@ def launch(
                     TensorDescriptor.from_tensor(z, [bm, bn]))  # fmt: skip
     else:
         operands = (x, weight, z)
-    common = _common(loss)
+    common = kernel_floats(loss)
     parts = torch.empty(PARTS, triton.cdiv(v, bn), m, dtype=torch.float32, device=x.device)
     _logits_kernel[(programs,)](
         # exp: the exponent is the soft term's f / T with a (top-k) teacher, the hard term's f without

@@ -51,15 +51,15 @@ N_COEFS: tl.constexpr = tl.constexpr(len(rowmath.COEFS))
 
 
 @triton.jit
-def _online(m, s, a):
+def lse_step(m, s, a):
     """Running max and sum of ``2**a`` per tile row, after one more tile ``a`` (base 2)."""
     m_new = tl.maximum(m, tl.max(a, axis=1))
     return m_new, s * tl.exp2(m - m_new) + tl.sum(tl.exp2(a - m_new[:, None]), axis=1)
 
 
 @triton.jit
-def _online_reverse(m, s, u, a, b):
-    """``_online`` and reverse KL's ``u = sum 2**(a - m) (a - m - b)`` (base 2; ``fused_kl.rowmath.REVERSE``)."""
+def reverse_step(m, s, u, a, b):
+    """``lse_step`` and reverse KL's ``u = sum 2**(a - m) (a - m - b)`` (base 2; ``fused_kl.rowmath.REVERSE``)."""
     m_new = tl.maximum(m, tl.max(a, axis=1))
     c = tl.exp2(m - m_new)
     d = a - m_new[:, None]
@@ -69,7 +69,7 @@ def _online_reverse(m, s, u, a, b):
 
 
 @triton.jit
-def _reverse_part(m, s, u):
+def reverse_part(m, s, u):
     """``rho`` (natural units) from the tile rows' base-2 running ``(m, s, u)``."""
     top = tl.max(m, axis=0)
     c = tl.exp2(m - top)
@@ -117,17 +117,17 @@ def _stats_kernel(
             t = tl.load(t_row + cols * t_stride_c, mask=mask, other=0.0).to(tl.float32)
         if FORMAT == LOGITS:  # the teacher's log2 p before its log-sum-exp
             b = scaled(t, t_scale, t_cap, inv_tt * LOG2E, T_CAPPED)
-            mt, st = _online(mt, st, tl.where(mask, b, -float("inf")))
+            mt, st = lse_step(mt, st, tl.where(mask, b, -float("inf")))
         elif FORMAT == LOG_PROBS:
             b = t * LOG2E
         elif FORMAT == PROBS:  # (only reverse KL reads it: dead code otherwise)
             b = fast_log(tl.maximum(t, eps)) * LOG2E
         if REV:
-            m, s, u = _online_reverse(m, s, u, a, b)
+            m, s, u = reverse_step(m, s, u, a, b)
         else:
-            m, s = _online(m, s, a)
+            m, s = lse_step(m, s, a)
         if HARD_LSE:
-            mh, sh = _online(mh, sh, tl.where(mask, scaled(z, scale, cap, LOG2E, CAPPED), -float("inf")))
+            mh, sh = lse_step(mh, sh, tl.where(mask, scaled(z, scale, cap, LOG2E, CAPPED), -float("inf")))
         if HARD:
             f_sum += tl.sum(tl.where(mask, transform(z, scale, cap, CAPPED), 0.0), axis=1)
         if MASS:
@@ -150,7 +150,7 @@ def _stats_kernel(
         label_logit = tl.where(inside, transform(z_y, scale, cap, CAPPED), 0.0)
     rho = 0.0
     if REV:
-        rho = _reverse_part(m, s, u)
+        rho = reverse_part(m, s, u)
     out = out_ptr + r * N_STATS
     tl.store(out, lse)
     tl.store(out + 1, lse_h)
@@ -248,7 +248,7 @@ def _finish_kernel(
     tl.store(out_ptr + r, tl.sum(acc, axis=0))
 
 
-def _common(loss: Loss) -> dict:
+def kernel_floats(loss: Loss) -> dict:
     """The float arguments every kernel takes, and the transform flags."""
     teacher = loss.teacher
     return dict(
@@ -282,7 +282,7 @@ def stats(z: torch.Tensor, t: torch.Tensor | None, y: torch.Tensor | None, loss:
     if rows:
         teacher = t is not None
         _stats_kernel[(rows,)](
-            z, z.stride(0), *_teacher_args(z, t), out if y is None else y, out, v, **_common(loss),
+            z, z.stride(0), *_teacher_args(z, t), out if y is None else y, out, v, **kernel_floats(loss),
             eps=loss.teacher.eps if teacher else 1e-10, FORMAT=_format(loss, t), HARD=y is not None,
             HARD_LSE=loss.separate_hard_lse, MASS=teacher and loss.kind == "forward" and not loss.teacher.has_logits,
             REV=teacher and loss.kind == "reverse", **_launch(tile),
@@ -296,7 +296,7 @@ def value(z: torch.Tensor, t: torch.Tensor, stats: torch.Tensor, loss: Loss, til
     out = torch.empty(rows, 2, dtype=torch.float32, device=z.device)
     if rows:
         _value_kernel[(rows,)](
-            z, z.stride(0), *_teacher_args(z, t), stats, out, v, **_common(loss), eps=loss.teacher.eps,
+            z, z.stride(0), *_teacher_args(z, t), stats, out, v, **kernel_floats(loss), eps=loss.teacher.eps,
             beta=loss.beta, FORMAT=_format(loss, t), **_launch(tile),
         )  # fmt: skip
     return out
@@ -318,7 +318,7 @@ def finish(
     out = torch.empty(rows, dtype=torch.float32, device=z.device)
     if rows:
         _finish_kernel[(rows,)](
-            z, z.stride(0), *_teacher_args(z, t), coefs if y is None else y, coefs, out, v, **_common(loss),
+            z, z.stride(0), *_teacher_args(z, t), coefs if y is None else y, coefs, out, v, **kernel_floats(loss),
             eps=loss.teacher.eps if loss.teacher else 1e-10, beta=loss.beta, keep_label=1.0 - loss.label_smoothing,
             smooth_per_v=loss.label_smoothing / v_total, FORMAT=_format(loss, t), KIND=KINDS.index(loss.kind),
             HARD=y is not None, HARD_LSE=loss.separate_hard_lse, WRITE_GRAD=write_grad, **_launch(tile),

@@ -2,7 +2,7 @@
 
 The math is :func:`fused_kl.rowmath.topk`'s (stated there), with :func:`fused_kl.chunk.topk_part`'s
 framing: the student's exponents ``a = f(z) / T`` at the teacher's tokens read from ``E``
-(``triton_factored._exponents_at``), then per row the masses ``P``, ``Q``, the tail,
+(``triton_factored.exponents_at``), then per row the masses ``P``, ``Q``, the tail,
 the soft loss, the dense factor ``K`` and ``dL/dz`` at the tokens. In torch's eager mode that
 chain is about eighty small kernels a chunk; here it is one program a row (at N = 8192 on the
 H200, 0.35 ms a step less GPU time; benchmarks/RESULTS.md).
@@ -21,7 +21,7 @@ import triton.language as tl
 
 from fused_kl.loss import TOPK_TAILS, Loss
 
-from .triton_factored import Tiles, _exponents_at
+from .triton_factored import Tiles, exponents_at
 
 
 @triton.jit
@@ -36,7 +36,7 @@ def _topk_kernel(
     idx = tl.load(idx_ptr + r * K + i, mask=live, other=0)
     local = live & (idx >= 0) & (idx < V)
     at = tl.where(local, idx, 0)
-    a = _exponents_at(z_ptr, tile_max_ptr, x_ptr, w_ptr, r, at, local, rows, V, H, scale / temperature, BN, BK, BH)
+    a = exponents_at(z_ptr, tile_max_ptr, x_ptr, w_ptr, r, at, local, rows, V, H, scale / temperature, BN, BK, BH)
     log_q = a - tl.load(stats_ptr + r * stats_stride)
     q = tl.where(local, tl.exp(log_q), 0.0)
     t = tl.load(log_p_ptr + r * K + i, mask=live, other=float("-inf")).to(tl.float32)
