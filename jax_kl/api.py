@@ -8,6 +8,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.typing import DTypeLike
 
 from fused_kl.checks import cross_entropy_reduction
 
@@ -69,7 +70,7 @@ def fused_linear_kl_div(
     eps: float = 1e-10,
     target_format: str = "probs",
     teacher_temperature: float | None = None,
-    accum_dtype=None,
+    accum_dtype: DTypeLike | None = None,
     chunk_size: int | None = None,
     backend: str = "auto",
     beta: float = 0.0,
@@ -142,7 +143,7 @@ def fused_linear_cross_entropy(
     label_smoothing: float = 0.0,
     logit_scale: float = 1.0,
     softcap: float | None = None,
-    accum_dtype=None,
+    accum_dtype: DTypeLike | None = None,
     chunk_size: int | None = None,
     backend: str = "auto",
     mesh: jax.sharding.Mesh | None = None,

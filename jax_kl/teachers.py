@@ -26,9 +26,11 @@ class TeacherArrays(NamedTuple):
     indices: jax.Array | None = None
 
 
-def dense_chunk(
-    loss: Loss, arrays: TeacherArrays, start: int, hidden: jax.Array | None
-) -> tuple[jax.Array, int] | None:
+# A dense teacher as the row phases take it: the array and the row where the chunk starts.
+DenseChunk = tuple[jax.Array, int]
+
+
+def dense_chunk(loss: Loss, arrays: TeacherArrays, start: int, hidden: jax.Array | None) -> DenseChunk | None:
     """The chunk's dense teacher as ``(array, row0)``, or None. For a teacher head, ``hidden``
     is the chunk of its hidden states (sliced by the driver, after its barrier)."""
     if loss.teacher is None or loss.teacher.dense_format is None or not loss.soft:

@@ -35,6 +35,7 @@ from fused_kl import rowmath, terms
 from fused_kl.checks import backend_unavailable
 from fused_kl.loss import Loss
 
+from ..teachers import DenseChunk
 from . import online
 
 R = 64  # rows per program
@@ -280,7 +281,7 @@ def _lse(m: jax.Array, s: jax.Array) -> jax.Array:
     return rowmath.combine_lse(m + jnp.log(s), lambda a: jnp.max(a, axis=0), lambda a: jnp.sum(a, axis=0), jnp)
 
 
-def stats(z: jax.Array, t, y: jax.Array | None, loss: Loss, tile: tuple[int, int]) -> jax.Array:
+def stats(z: jax.Array, t: DenseChunk | None, y: jax.Array | None, loss: Loss, tile: tuple[int, int]) -> jax.Array:
     """``fused_kl.rowmath.STATS`` of each row of the chunk (local to this vocabulary slice)."""
     del tile
     _require_fit(z, t)
@@ -309,7 +310,7 @@ def stats(z: jax.Array, t, y: jax.Array | None, loss: Loss, tile: tuple[int, int
     return jnp.stack([lse, lse_h, lse_t, mass, f_sum, label_logit, rho], axis=1)
 
 
-def value(z: jax.Array, t, stats: jax.Array, loss: Loss, tile: tuple[int, int]) -> jax.Array:
+def value(z: jax.Array, t: DenseChunk, stats: jax.Array, loss: Loss, tile: tuple[int, int]) -> jax.Array:
     """Phase 2 (JSD): each row's sums ``(A, B)``."""
     del tile
     _require_fit(z, t)
@@ -321,7 +322,7 @@ def value(z: jax.Array, t, stats: jax.Array, loss: Loss, tile: tuple[int, int]) 
 
 def finish(
     z: jax.Array,
-    t,
+    t: DenseChunk | None,
     y: jax.Array | None,
     coefs: jax.Array,
     loss: Loss,

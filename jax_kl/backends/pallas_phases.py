@@ -12,6 +12,7 @@ import jax
 
 from fused_kl.loss import Loss
 
+from ..teachers import DenseChunk
 from . import mosaic_missing, pallas_triton
 
 
@@ -26,16 +27,25 @@ def _pick(z: jax.Array, t) -> ModuleType:
     return pallas_triton
 
 
-def stats(z: jax.Array, t, y: jax.Array | None, loss: Loss, tile: tuple[int, int]) -> jax.Array:
+def stats(z: jax.Array, t: DenseChunk | None, y: jax.Array | None, loss: Loss, tile: tuple[int, int]) -> jax.Array:
     """``fused_kl.rowmath.STATS`` of each row of the chunk."""
     return _pick(z, t).stats(z, t, y, loss, tile)
 
 
-def value(z: jax.Array, t, stats: jax.Array, loss: Loss, tile: tuple[int, int]) -> jax.Array:
+def value(z: jax.Array, t: DenseChunk, stats: jax.Array, loss: Loss, tile: tuple[int, int]) -> jax.Array:
     """Phase 2 (JSD): each row's sums."""
     return _pick(z, t).value(z, t, stats, loss, tile)
 
 
-def finish(z: jax.Array, t, y, coefs: jax.Array, loss: Loss, v_total: int, tile: tuple[int, int], write_grad: bool):
+def finish(
+    z: jax.Array,
+    t: DenseChunk | None,
+    y: jax.Array | None,
+    coefs: jax.Array,
+    loss: Loss,
+    v_total: int,
+    tile: tuple[int, int],
+    write_grad: bool,
+) -> tuple[jax.Array | None, jax.Array]:
     """Phase 3: ``(dL/dz in z's buffer or None, the rows' forward-KL sums)``."""
     return _pick(z, t).finish(z, t, y, coefs, loss, v_total, tile, write_grad)

@@ -21,6 +21,7 @@ from jax.experimental.pallas import triton as plgpu
 from fused_kl import rowmath, terms
 from fused_kl.loss import Loss
 
+from ..teachers import DenseChunk
 from . import online
 
 # The running maxima start here, not at -inf: a tile row that is all padding then keeps
@@ -192,7 +193,7 @@ def _inputs(z: jax.Array, t, y: jax.Array | None) -> tuple[list, list]:
     return args, specs
 
 
-def stats(z: jax.Array, t, y: jax.Array | None, loss: Loss, tile: tuple[int, int]) -> jax.Array:
+def stats(z: jax.Array, t: DenseChunk | None, y: jax.Array | None, loss: Loss, tile: tuple[int, int]) -> jax.Array:
     """``fused_kl.rowmath.STATS`` of each row of the chunk (local to this vocabulary slice)."""
     rows, v = z.shape
     args, specs = _inputs(z, t, y)
@@ -201,7 +202,7 @@ def stats(z: jax.Array, t, y: jax.Array | None, loss: Loss, tile: tuple[int, int
     return _call(kernel, rows, args, specs, jax.ShapeDtypeStruct((rows, width), jnp.float32), _row(width), tile)
 
 
-def value(z: jax.Array, t, stats: jax.Array, loss: Loss, tile: tuple[int, int]) -> jax.Array:
+def value(z: jax.Array, t: DenseChunk, stats: jax.Array, loss: Loss, tile: tuple[int, int]) -> jax.Array:
     """Phase 2 (JSD): each row's sums ``(A, B)``."""
     rows, v = z.shape
     args, specs = _inputs(z, t, None)
@@ -212,7 +213,7 @@ def value(z: jax.Array, t, stats: jax.Array, loss: Loss, tile: tuple[int, int]) 
 
 def finish(
     z: jax.Array,
-    t,
+    t: DenseChunk | None,
     y: jax.Array | None,
     coefs: jax.Array,
     loss: Loss,

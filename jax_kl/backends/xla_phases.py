@@ -14,7 +14,7 @@ from jax import lax
 from fused_kl import wholerow
 from fused_kl.loss import Loss
 
-DenseChunk = tuple[jax.Array, int]
+from ..teachers import DenseChunk
 
 OPS = wholerow.RowOps(
     xp=jnp,

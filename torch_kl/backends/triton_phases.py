@@ -275,7 +275,9 @@ def _launch(tile: tuple[int, int]) -> dict:
     return dict(TILE_R=tile[0], TILE_C=tile[1], num_warps=8 if tile[0] * tile[1] >= 2048 else 4)
 
 
-def stats(z: torch.Tensor, t: torch.Tensor | None, y: torch.Tensor | None, loss: Loss, tile: tuple[int, int]):
+def stats(
+    z: torch.Tensor, t: torch.Tensor | None, y: torch.Tensor | None, loss: Loss, tile: tuple[int, int]
+) -> torch.Tensor:
     """``fused_kl.rowmath.STATS`` of each row of the chunk (local to this vocabulary slice)."""
     rows, v = z.shape
     out = torch.empty(rows, len(rowmath.STATS), dtype=torch.float32, device=z.device)
