@@ -11,6 +11,7 @@ import math
 import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from .loss import REDUCTIONS, TARGET_FORMATS, TOPK_TAILS, Loss, Teacher
 from .options import FLOAT_DTYPES, RunOptions
@@ -305,19 +306,39 @@ def check_int32_ignore_index(ignore_index: int, why: str) -> None:
         raise ValueError(f"ignore_index: expected an int that fits in 32 bits ({why}), got {ignore_index!r}")
 
 
-def check_label_values(kept_min: int, kept_max: int, v: int) -> None:
-    """Concrete labels of the hard term: every kept one lies in ``[0, V)``."""
-    if kept_min < 0 or kept_max >= v:
-        bad = kept_min if kept_min < 0 else kept_max
-        raise ValueError(f"labels: expected class indices in [0, {v}) for kept rows (weight_hard_loss > 0), got {bad}")
+def value_summary(
+    labels: Any | None, indices: Any | None, ignore_index: int, sort: Callable[[Any], Any], xp: Any
+) -> list:
+    """What the value checks read, reduced where the arrays are (``xp``: torch or numpy; ``sort``
+    sorts the last axis): the kept labels' min and max (if ``labels``), then the top-k indices'
+    min, max and whether a row repeats one (if ``indices``). :func:`check_value_summary` reads it."""
+    parts = []
+    if labels is not None:
+        kept = xp.where(labels != ignore_index, labels, 0)
+        parts += [kept.min(), kept.max()]
+    if indices is not None:
+        ordered = sort(indices.reshape(-1, indices.shape[-1]))
+        parts += [ordered[:, 0].min(), ordered[:, -1].max(), (ordered[:, 1:] == ordered[:, :-1]).any()]
+    return parts
 
 
-def check_index_values(lo: int, hi: int, duplicated: bool, v: int) -> None:
-    """Concrete top-k indices: in ``[0, V)`` and distinct within a row."""
-    if lo < 0 or hi >= v:
-        raise ValueError(f"target_indices: expected token ids in [0, {v}), got {lo if lo < 0 else hi}")
-    if duplicated:
-        raise ValueError("target_indices: expected distinct token ids within each row, got a duplicate")
+def check_value_summary(values: list[int], labels: bool, indices: bool, v: int) -> None:
+    """Raise on bad concrete values, from :func:`value_summary`'s parts as ints: every kept label
+    of the hard term in ``[0, V)``; top-k indices in ``[0, V)`` and distinct within a row."""
+    if labels:
+        kept_min, kept_max = values[:2]
+        values = values[2:]
+        if kept_min < 0 or kept_max >= v:
+            bad = kept_min if kept_min < 0 else kept_max
+            raise ValueError(
+                f"labels: expected class indices in [0, {v}) for kept rows (weight_hard_loss > 0), got {bad}"
+            )
+    if indices:
+        lo, hi, duplicated = values[:3]
+        if lo < 0 or hi >= v:
+            raise ValueError(f"target_indices: expected token ids in [0, {v}), got {lo if lo < 0 else hi}")
+        if duplicated:
+            raise ValueError("target_indices: expected distinct token ids within each row, got a duplicate")
 
 
 def backend_unavailable(backend: str, why: str) -> ValueError:

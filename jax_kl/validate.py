@@ -12,10 +12,10 @@ from fused_kl.checks import (
     ArrayFacts,
     Shapes,
     check_array_args,
-    check_index_values,
     check_int32_ignore_index,
-    check_label_values,
     check_options,
+    check_value_summary,
+    value_summary,
 )
 from fused_kl.loss import Loss
 from fused_kl.options import RunOptions
@@ -52,15 +52,16 @@ def _concrete(a: object) -> bool:
 def check_values(loss: Loss, labels: object, indices: object, v_total: int) -> None:
     """Value checks of labels (hard term) and top-k indices where the values are concrete
     (outside ``jit``); under ``jit`` a bad row's loss is NaN instead."""
-    if loss.hard and _concrete(labels) and np.size(labels):
-        lab = np.asarray(labels)
-        kept = np.where(lab != loss.ignore_index, lab, 0)
-        check_label_values(int(kept.min()), int(kept.max()), v_total)
-    if _concrete(indices) and np.size(indices):
-        idx = np.asarray(indices)
-        ordered = np.sort(idx.reshape(-1, idx.shape[-1]), axis=-1)
-        duplicated = bool(np.any(ordered[:, 1:] == ordered[:, :-1]))
-        check_index_values(int(ordered[:, 0].min()), int(ordered[:, -1].max()), duplicated, v_total)
+    check_labels = bool(loss.hard and _concrete(labels) and np.size(labels))
+    check_indices = bool(_concrete(indices) and np.size(indices))
+    parts = value_summary(
+        np.asarray(labels) if check_labels else None,
+        np.asarray(indices) if check_indices else None,
+        loss.ignore_index,
+        lambda a: np.sort(a, axis=-1),
+        np,
+    )
+    check_value_summary([int(p) for p in parts], check_labels, check_indices, v_total)
 
 
 def validate(

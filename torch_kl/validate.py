@@ -13,10 +13,10 @@ from fused_kl.checks import (
     ArrayFacts,
     Shapes,
     check_array_args,
-    check_index_values,
     check_int32_ignore_index,
-    check_label_values,
     check_options,
+    check_value_summary,
+    value_summary,
 )
 from fused_kl.loss import Loss
 from fused_kl.options import RunOptions
@@ -79,16 +79,15 @@ def check_values(
     """
     if not _concrete():
         return None
-    parts = []
     check_labels = loss.hard and labels is not None and labels.numel() > 0
-    if check_labels:
-        kept = torch.where(labels != loss.ignore_index, labels, 0)  # type: ignore[operator]
-        parts += [kept.min(), kept.max()]
     check_indices = indices is not None and indices.numel() > 0
-    if check_indices:
-        ordered = indices.reshape(-1, indices.shape[-1]).sort(-1).values  # type: ignore[union-attr]
-        duplicated = (ordered[:, 1:] == ordered[:, :-1]).any()
-        parts += [ordered[:, 0].min(), ordered[:, -1].max(), duplicated]
+    parts = value_summary(
+        labels if check_labels else None,
+        indices if check_indices else None,
+        loss.ignore_index,
+        lambda a: a.sort(-1).values,
+        torch,
+    )
     if not parts:
         return None
     summary = torch.stack([p.to(torch.int64) for p in parts])
@@ -103,12 +102,7 @@ def check_values(
     def wait() -> None:
         if done is not None:
             done.synchronize()
-        values = summary.tolist()
-        if check_labels:
-            check_label_values(values[0], values[1], v_total)
-            values = values[2:]
-        if check_indices:
-            check_index_values(values[0], values[1], bool(values[2]), v_total)
+        check_value_summary(summary.tolist(), check_labels, check_indices, v_total)
 
     return wait
 
