@@ -1,19 +1,31 @@
-"""Running sums over a row's tiles, shared by the two Pallas lowerings (``pallas_triton``,
-``pallas_mosaic``); ``torch_kl/backends/triton_phases.py`` has their translation, in base 2.
+"""The row phases' math over one tile, shared by the two Pallas lowerings (``pallas_triton``,
+``pallas_mosaic``), which differ in how they walk a row's tiles and move them, not in what
+they compute; ``torch_kl/backends/triton_phases.py`` is the translation, in base 2.
 
-``wide(row, tile)`` broadcasts a per-tile-row value along the tile's columns, as each lowering
-spells it. Masked entries of ``a`` are ``-inf``; running maxima start at a finite lowest value,
-so an all-masked tile row keeps ``exp(m - m_new) = 1`` and its sums 0.
+``wide(value, tile)`` broadcasts a per-tile-row running value along the tile's columns, and
+``row(value)`` a per-row value (a scalar in ``pallas_triton``, one program per row; ``[R]`` in
+``pallas_mosaic``), as each lowering spells it. Masked entries of ``a`` are ``-inf``; running
+maxima start at ``LOWEST``, so an all-masked tile row keeps ``exp(m - m_new) = 1`` and its sums 0.
+``xp`` is the array namespace the terms see (``fused_kl.terms``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from fused_kl import terms
+from fused_kl.loss import Loss
+
 Wide = Callable[[jax.Array, jax.Array], jax.Array]
+# The running maxima start here, not at -inf: a tile row that is all padding then keeps
+# exp(m - m_new) = 1 and its sum 0, where -inf - -inf would make it NaN.
+LOWEST = -3.0e38
+NEG_INF = float("-inf")
 
 
 def lse_step(m: jax.Array, s: jax.Array, a: jax.Array, wide: Wide) -> tuple[jax.Array, jax.Array]:
@@ -39,3 +51,111 @@ def reverse_part(m: jax.Array, s: jax.Array, u: jax.Array) -> jax.Array:
     c = jnp.exp(m - top)
     total = jnp.sum(c * s, axis=0)
     return jnp.sum(c * (u + (m - top) * s), axis=0) / total - jnp.log(total)
+
+
+@dataclass(frozen=True)
+class StatsCarries:
+    """What the statistics pass carries over a row's tiles, in this order: the student's (max,
+    sum), reverse KL's ``u``, the hard term's (max, sum), ``sum f``, the teacher logits' (max,
+    sum) or the teacher's mass; each only where the loss needs it."""
+
+    reverse: bool
+    hard_lse: bool
+    hard: bool
+    logits: bool
+    mass: bool
+
+    @staticmethod
+    def of(loss: Loss, has_teacher: bool, hard: bool) -> StatsCarries:
+        logits = has_teacher and loss.teacher.has_logits  # type: ignore[union-attr]
+        return StatsCarries(
+            reverse=has_teacher and loss.kind == "reverse",
+            hard_lse=loss.separate_hard_lse,
+            hard=hard,
+            logits=logits,
+            mass=has_teacher and not logits and loss.kind == "forward",
+        )
+
+    def inits(self) -> list[float]:
+        pair = [LOWEST, 0.0]
+        out = pair + [0.0] * self.reverse + pair * self.hard_lse + [0.0] * self.hard
+        return out + (pair if self.logits else [0.0] * self.mass)
+
+
+def stats_tile(
+    carry: list, z: jax.Array, teacher_tile: Callable[[], jax.Array], mask: jax.Array, loss: Loss,
+    carries: StatsCarries, wide: Wide, xp: Any,
+) -> list:  # fmt: skip
+    """The carries after one more tile: ``z`` the student's logits (float32), ``teacher_tile()``
+    the teacher's (read only where needed)."""
+    vals = iter(carry)
+    f = terms.transform(z, loss.logit_scale, loss.softcap, xp)
+    a = jnp.where(mask, f / loss.temperature, NEG_INF)
+    if carries.logits or carries.reverse:
+        b = terms.teacher_log(teacher_tile(), loss.teacher, xp)  # type: ignore[arg-type]
+    if carries.reverse:
+        new = list(reverse_step(next(vals), next(vals), next(vals), a, b, wide))
+    else:
+        new = list(lse_step(next(vals), next(vals), a, wide))
+    if carries.hard_lse:
+        new += lse_step(next(vals), next(vals), jnp.where(mask, f, NEG_INF), wide)
+    if carries.hard:
+        new.append(next(vals) + jnp.sum(jnp.where(mask, f, 0.0), axis=1))
+    if carries.logits:
+        new += lse_step(next(vals), next(vals), jnp.where(mask, b, NEG_INF), wide)
+    elif carries.mass:
+        p = terms.teacher_probs(teacher_tile(), loss.teacher, 0.0, xp)[0]  # type: ignore[arg-type]
+        new.append(next(vals) + jnp.sum(jnp.where(mask, p, 0.0), axis=1))
+    return new
+
+
+def stats_columns(
+    parts: list, carries: StatsCarries, lse: Callable[[Any, Any], Any], total: Callable[[Any], Any], zero: Any
+) -> list:
+    """``lse, lse_h, lse_t, mass, sum f, rho`` of ``STATS`` from the carries' final values (in
+    :class:`StatsCarries`' order); ``lse(m, s)`` and ``total(a)`` reduce them over axis 0."""
+    parts = iter(parts)
+    m, s = next(parts), next(parts)
+    rho = reverse_part(m, s, next(parts)) if carries.reverse else zero
+    lse_s = lse(m, s)
+    lse_h = lse(next(parts), next(parts)) if carries.hard_lse else lse_s
+    f_sum = total(next(parts)) if carries.hard else zero
+    lse_t = lse(next(parts), next(parts)) if carries.logits else zero
+    mass = total(next(parts)) if carries.mass else zero
+    return [lse_s, lse_h, lse_t, mass, f_sum, rho]
+
+
+def value_tile(
+    z: jax.Array, t: jax.Array, lse: Any, lse_t: Any, mask: jax.Array, loss: Loss, xp: Any
+) -> tuple[jax.Array, jax.Array]:
+    """JSD's ``(A, B)`` sums of one tile (``fused_kl.terms.jsd_terms``); ``lse``, ``lse_t`` broadcast."""
+    log_q = terms.transform(z, loss.logit_scale, loss.softcap, xp) / loss.temperature - lse
+    p, log_p = terms.teacher_probs(t, loss.teacher, lse_t, xp)  # type: ignore[arg-type]
+    a, b = terms.jsd_terms(jnp.exp(log_q), log_q, p, log_p, loss.beta, xp)
+    return jnp.sum(jnp.where(mask, a, 0.0), axis=1), jnp.sum(jnp.where(mask, b, 0.0), axis=1)
+
+
+def finish_tile(
+    z: jax.Array, teacher_tile: Callable[[], jax.Array] | None, coefs: list, y: Any, cols: jax.Array,
+    mask: jax.Array, loss: Loss, v_total: int, write_grad: bool, row: Callable[[Any], Any], xp: Any,
+) -> tuple[jax.Array | None, jax.Array | None]:  # fmt: skip
+    """One tile's forward-KL sums (None for another divergence) and ``dL/dz`` (float32, 0 where
+    masked; None without ``write_grad``): ``coefs`` the rows' ``COEFS``, ``y`` their labels
+    (hard term) or None."""
+    lse, lse_h, lse_t, k, c_soft, c_hard = coefs
+    f = terms.transform(z, loss.logit_scale, loss.softcap, xp)
+    log_q = f / loss.temperature - row(lse)
+    q = jnp.exp(log_q)
+    p, log_p = q, log_q
+    if teacher_tile is not None:
+        p, log_p = terms.teacher_probs(teacher_tile(), loss.teacher, row(lse_t), xp)  # type: ignore[arg-type]
+    acc = None
+    if loss.kind == "forward":
+        acc = jnp.sum(jnp.where(mask, terms.forward_term(p, log_p, log_q, xp), 0.0), axis=1)
+    if not write_grad:
+        return acc, None
+    live = row(jnp.where((c_soft != 0.0) | (c_hard != 0.0), 1.0, 0.0)) != 0.0  # ignored rows: exactly 0
+    g = row(c_soft) * terms.soft_direction(loss.kind, q, log_q, p, log_p, row(k), loss.beta, xp)
+    if y is not None:
+        g += row(c_hard) * terms.hard_direction(f, row(lse_h), cols == row(y), loss, v_total, xp)
+    return acc, jnp.where(live & mask, g * terms.slope(z, loss.logit_scale, loss.softcap, xp), 0.0)

@@ -48,8 +48,6 @@ H100_SMS = 132  # multiprocessors of an H100/H200
 # the H200 (benchmarks/RESULTS-2026-12-01.md).
 MIN_PROGRAMS = 8 * H100_SMS
 STAGES = 2
-LOWEST = -3.0e38  # running maxima start here, not at -inf (see pallas_triton.LOWEST)
-NEG_INF = float("-inf")
 # The hardware's approximate exp2 and lg2 (``approx_math``): a handful of instructions where the
 # exact logarithm takes about thirty, as in torch_kl's Triton kernels (log arguments are clamped
 # at float32's smallest normal, ``fused_kl.terms.TINY``, since the approximation flushes smaller
@@ -207,69 +205,30 @@ def _launch(step, tiled: list, rowvecs: list, inits: list[float], write_grad: bo
     return [o[:, :rows] for o in outs] + ([jax.freeze(arrays[0])] if write_grad else [])
 
 
-def _stats_step(cols, tiles, rowvecs, carry, g_ref, *, v: int, loss: Loss, hard: bool, reverse: bool, logits: bool,
-                mass: bool):  # fmt: skip
-    """The carries, in order: the student's (max, sum) and with ``reverse`` its ``u``
-    (``online.reverse_step``); the hard term's (max, sum); ``sum f``; the teacher logits'
-    (max, sum) or its ``mass``, as ``stats`` lays them out."""
+def _stats_step(cols, tiles, rowvecs, carry, g_ref, *, v: int, loss: Loss, carries: online.StatsCarries):
     del rowvecs, g_ref
-    teacher = loss.teacher
-    vals = iter(carry)
-    mask = cols < v
-    f = terms.transform(_load(tiles[0]), loss.logit_scale, loss.softcap, XP)
-    a = jnp.where(mask, f / loss.temperature, NEG_INF)
-    if logits or reverse:
-        b = terms.teacher_log(_load(tiles[1]), teacher, XP)
-    if reverse:
-        new = list(online.reverse_step(next(vals), next(vals), next(vals), a, b, _wide))
-    else:
-        new = list(online.lse_step(next(vals), next(vals), a, _wide))
-    if loss.separate_hard_lse:
-        new += online.lse_step(next(vals), next(vals), jnp.where(mask, f, NEG_INF), _wide)
-    if hard:
-        new.append(next(vals) + jnp.sum(jnp.where(mask, f, 0.0), axis=1))
-    if logits:
-        new += online.lse_step(next(vals), next(vals), jnp.where(mask, b, NEG_INF), _wide)
-    elif mass:
-        p = terms.teacher_probs(_load(tiles[1]), teacher, 0.0, XP)[0]
-        new.append(next(vals) + jnp.sum(jnp.where(mask, p, 0.0), axis=1))
-    return new
+    teacher_tile = lambda: _load(tiles[1])
+    return online.stats_tile(carry, _load(tiles[0]), teacher_tile, cols < v, loss, carries, _wide, XP)
 
 
 def _value_step(cols, tiles, rowvecs, carry, g_ref, *, v: int, loss: Loss):
     del g_ref
-    lse, lse_t = rowvecs
-    mask = cols < v
-    log_q = terms.transform(_load(tiles[0]), loss.logit_scale, loss.softcap, XP) / loss.temperature - _wide(lse, cols)
-    p, log_p = terms.teacher_probs(_load(tiles[1]), loss.teacher, _wide(lse_t, cols), XP)  # type: ignore[arg-type]
-    a, b = terms.jsd_terms(jnp.exp(log_q), log_q, p, log_p, loss.beta, XP)
-    return [carry[0] + jnp.sum(jnp.where(mask, a, 0.0), axis=1), carry[1] + jnp.sum(jnp.where(mask, b, 0.0), axis=1)]
+    lse, lse_t = (_wide(r, cols) for r in rowvecs)
+    a, b = online.value_tile(_load(tiles[0]), _load(tiles[1]), lse, lse_t, cols < v, loss, XP)
+    return [carry[0] + a, carry[1] + b]
 
 
 def _finish_step(cols, tiles, rowvecs, carry, g_ref, *, v: int, v_total: int, loss: Loss, has_teacher: bool,
                  hard: bool):  # fmt: skip
     y = rowvecs.pop(0) if hard else None
-    lse, lse_h, lse_t, k, c_soft, c_hard = rowvecs
-    mask = cols < v
-    z = _load(tiles[0])
-    f = terms.transform(z, loss.logit_scale, loss.softcap, XP)
-    log_q = f / loss.temperature - _wide(lse, cols)
-    q = jnp.exp(log_q)
-    p, log_p = q, log_q
-    if has_teacher:
-        p, log_p = terms.teacher_probs(_load(tiles[1]), loss.teacher, _wide(lse_t, cols), XP)  # type: ignore[arg-type]
-    acc = carry[0]
-    if loss.kind == "forward":
-        acc = acc + jnp.sum(jnp.where(mask, terms.forward_term(p, log_p, log_q, XP), 0.0), axis=1)
-    if g_ref is not None:
-        live = _wide(jnp.where((c_soft != 0.0) | (c_hard != 0.0), 1.0, 0.0), cols) != 0.0  # ignored rows: exactly 0
-        g = _wide(c_soft, cols) * terms.soft_direction(loss.kind, q, log_q, p, log_p, _wide(k, cols), loss.beta, XP)
-        if hard:
-            is_label = cols == _wide(y, cols)
-            g += _wide(c_hard, cols) * terms.hard_direction(f, _wide(lse_h, cols), is_label, loss, v_total, XP)
-        g = jnp.where(live & mask, g * terms.slope(z, loss.logit_scale, loss.softcap, XP), 0.0)
+    teacher_tile = (lambda: _load(tiles[1])) if has_teacher else None
+    row = lambda r: _wide(r, cols)
+    acc, g = online.finish_tile(
+        _load(tiles[0]), teacher_tile, rowvecs, y, cols, cols < v, loss, v_total, g_ref is not None, row, XP
+    )
+    if g is not None:
         g_ref[...] = g.astype(g_ref.dtype)
-    return [acc]
+    return [carry[0] if acc is None else carry[0] + acc]
 
 
 def _tiled(z: jax.Array, t) -> list:
@@ -286,25 +245,13 @@ def stats(z: jax.Array, t: DenseChunk | None, y: jax.Array | None, loss: Loss, t
     del tile
     _require_fit(z, t)
     rows, v = z.shape
-    teacher = loss.teacher
-    has_teacher, hard = t is not None, y is not None
-    logits = has_teacher and teacher.has_logits
-    reverse = has_teacher and loss.kind == "reverse"
-    has_mass = has_teacher and not logits and loss.kind == "forward"
-    inits = [LOWEST, 0.0] + [0.0] * reverse + [LOWEST, 0.0] * loss.separate_hard_lse + [0.0] * hard
-    inits += [LOWEST, 0.0] if logits else [0.0] * has_mass
-    step = functools.partial(_stats_step, v=v, loss=loss, hard=hard, reverse=reverse, logits=logits, mass=has_mass)
-    parts = iter(_launch(step, _tiled(z, t), [], inits))
+    carries = online.StatsCarries.of(loss, t is not None, y is not None)
+    step = functools.partial(_stats_step, v=v, loss=loss, carries=carries)
+    parts = _launch(step, _tiled(z, t), [], carries.inits())
     zero = jnp.zeros((rows,), jnp.float32)
-    m, s = next(parts), next(parts)
-    rho = online.reverse_part(m, s, next(parts)) if reverse else zero
-    lse = _lse(m, s)
-    lse_h = _lse(next(parts), next(parts)) if loss.separate_hard_lse else lse
-    f_sum = jnp.sum(next(parts), axis=0) if hard else zero
-    lse_t = _lse(next(parts), next(parts)) if logits else zero
-    mass = jnp.sum(next(parts), axis=0) if has_mass else zero
+    lse, lse_h, lse_t, mass, f_sum, rho = online.stats_columns(parts, carries, _lse, lambda a: jnp.sum(a, axis=0), zero)
     label_logit = zero
-    if hard:
+    if y is not None:
         gather = lambda a, at: jnp.take_along_axis(a, at, axis=1).astype(jnp.float32)
         label_logit = rowmath.label_logit(z, y, loss, gather, jnp)
     return jnp.stack([lse, lse_h, lse_t, mass, f_sum, label_logit, rho], axis=1)

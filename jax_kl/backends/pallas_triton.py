@@ -24,11 +24,6 @@ from fused_kl.loss import Loss
 from ..teachers import DenseChunk
 from . import online
 
-# The running maxima start here, not at -inf: a tile row that is all padding then keeps
-# exp(m - m_new) = 1 and its sum 0, where -inf - -inf would make it NaN.
-LOWEST = -3.0e38
-NEG_INF = float("-inf")
-
 
 def _wide(row: jax.Array, like: jax.Array) -> jax.Array:
     """A per-tile-row value against the tile's columns (``online``'s ``wide``): broadcast by shape."""
@@ -57,71 +52,35 @@ def _load(ref, cols, mask):
     return plgpu.load(ref.at[cols], mask=mask, other=0.0).astype(jnp.float32)
 
 
-def _student(ref, cols, mask, loss: Loss):
-    z = _load(ref, cols, mask)
-    return z, terms.transform(z, loss.logit_scale, loss.softcap, jnp)
-
-
-def _stats_kernel(*refs, v: int, loss: Loss, has_teacher: bool, hard: bool, tile: tuple[int, int]):
+def _stats_kernel(*refs, v: int, loss: Loss, carries: online.StatsCarries, has_teacher: bool, tile: tuple[int, int]):
     z_ref, *refs = refs
     t_ref = refs.pop(0) if has_teacher else None
-    y_ref = refs.pop(0) if hard else None
+    y_ref = refs.pop(0) if carries.hard else None
     (out_ref,) = refs
-    teacher = loss.teacher
-    logits = has_teacher and teacher.has_logits
-    reverse = has_teacher and loss.kind == "reverse"
 
     def body(cols, mask, carry):
-        m, s, u, mh, sh, mt, st, mass, f_sum = carry
-        f = _student(z_ref, cols, mask, loss)[1]
-        a = jnp.where(mask, f / loss.temperature, NEG_INF)
-        if logits or reverse:
-            b = terms.teacher_log(_load(t_ref, cols, mask), teacher, jnp)
-        if reverse:
-            m, s, u = online.reverse_step(m, s, u, a, b, _wide)
-        else:
-            m, s = online.lse_step(m, s, a, _wide)
-        if loss.separate_hard_lse:
-            mh, sh = online.lse_step(mh, sh, jnp.where(mask, f, NEG_INF), _wide)
-        if hard:
-            f_sum += jnp.sum(jnp.where(mask, f, 0.0), axis=1)
-        if logits:
-            mt, st = online.lse_step(mt, st, jnp.where(mask, b, NEG_INF), _wide)
-        elif has_teacher and loss.kind == "forward":
-            p = terms.teacher_probs(_load(t_ref, cols, mask), teacher, 0.0, jnp)[0]
-            mass += jnp.sum(jnp.where(mask, p, 0.0), axis=1)
-        return m, s, u, mh, sh, mt, st, mass, f_sum
+        teacher_tile = lambda: _load(t_ref, cols, mask)
+        return online.stats_tile(carry, _load(z_ref, cols, mask), teacher_tile, mask, loss, carries, _wide, jnp)
 
-    low, zero = jnp.full((tile[0],), LOWEST, jnp.float32), jnp.zeros((tile[0],), jnp.float32)
-    init = (low, zero, zero, low, zero, low, zero, zero, zero)
-    m, s, u, mh, sh, mt, st, mass, f_sum = _walk(v, tile, body, init)
-    lse = _lse(m, s)
-    lse_h = _lse(mh, sh) if loss.separate_hard_lse else lse
-    lse_t = _lse(mt, st) if logits else jnp.float32(0.0)
+    init = [jnp.full((tile[0],), x0, jnp.float32) for x0 in carries.inits()]
+    parts = _walk(v, tile, body, init)
+    lse, lse_h, lse_t, mass, f_sum, rho = online.stats_columns(parts, carries, _lse, jnp.sum, jnp.float32(0.0))
     label_logit = jnp.float32(0.0)
-    if hard:
+    if y_ref is not None:
         y = y_ref[0]
         inside = (y >= 0) & (y < v)
         z_y = plgpu.load(z_ref.at[jnp.where(inside, y, 0)]).astype(jnp.float32)
         label_logit = jnp.where(inside, terms.transform(z_y, loss.logit_scale, loss.softcap, jnp), 0.0)
-    out_ref[0] = lse
-    out_ref[1] = lse_h
-    out_ref[2] = lse_t
-    out_ref[3] = jnp.sum(mass)
-    out_ref[4] = jnp.sum(f_sum)
-    out_ref[5] = label_logit
-    out_ref[rowmath.REVERSE] = online.reverse_part(m, s, u) if reverse else jnp.float32(0.0)
+    for i, value in enumerate((lse, lse_h, lse_t, mass, f_sum, label_logit, rho)):
+        out_ref[i] = value
 
 
 def _value_kernel(z_ref, t_ref, stats_ref, out_ref, *, v: int, loss: Loss, tile: tuple[int, int]):
     lse, lse_t = stats_ref[0], stats_ref[2]
 
     def body(cols, mask, carry):
-        acc_a, acc_b = carry
-        log_q = _student(z_ref, cols, mask, loss)[1] / loss.temperature - lse
-        p, log_p = terms.teacher_probs(_load(t_ref, cols, mask), loss.teacher, lse_t, jnp)  # type: ignore[arg-type]
-        a, b = terms.jsd_terms(jnp.exp(log_q), log_q, p, log_p, loss.beta, jnp)
-        return acc_a + jnp.sum(jnp.where(mask, a, 0.0), axis=1), acc_b + jnp.sum(jnp.where(mask, b, 0.0), axis=1)
+        a, b = online.value_tile(_load(z_ref, cols, mask), _load(t_ref, cols, mask), lse, lse_t, mask, loss, jnp)
+        return carry[0] + a, carry[1] + b
 
     zero = jnp.zeros((tile[0],), jnp.float32)
     acc_a, acc_b = _walk(v, tile, body, (zero, zero))
@@ -138,26 +97,18 @@ def _finish_kernel(
     coef_ref, *refs = refs
     g_ref = refs.pop(0) if write_grad else None  # aliases z
     (out_ref,) = refs
-    lse, lse_h, lse_t, k, c_soft, c_hard = (coef_ref[i] for i in range(len(rowmath.COEFS)))
-    live = (c_soft != 0.0) | (c_hard != 0.0)  # ignored rows: exactly 0, never NaN
-    y = y_ref[0] if hard else -1
+    coefs = [coef_ref[i] for i in range(len(rowmath.COEFS))]
+    y = y_ref[0] if hard else None
 
     def body(cols, mask, acc):
-        z, f = _student(z_ref, cols, mask, loss)
-        log_q = f / loss.temperature - lse
-        q = jnp.exp(log_q)
-        p, log_p = q, log_q
-        if has_teacher:
-            p, log_p = terms.teacher_probs(_load(t_ref, cols, mask), loss.teacher, lse_t, jnp)  # type: ignore[arg-type]
-        if loss.kind == "forward":
-            acc += jnp.sum(jnp.where(mask, terms.forward_term(p, log_p, log_q, jnp), 0.0), axis=1)
-        if write_grad:
-            g = c_soft * terms.soft_direction(loss.kind, q, log_q, p, log_p, k, loss.beta, jnp)
-            if hard:
-                g += c_hard * terms.hard_direction(f, lse_h, cols == y, loss, v_total, jnp)
-            g = jnp.where(live, g * terms.slope(z, loss.logit_scale, loss.softcap, jnp), 0.0)
+        teacher_tile = (lambda: _load(t_ref, cols, mask)) if has_teacher else None
+        z = _load(z_ref, cols, mask)
+        part, g = online.finish_tile(
+            z, teacher_tile, coefs, y, cols, mask, loss, v_total, write_grad, lambda r: r, jnp
+        )  # one program per row: its values are scalars, broadcast as they are
+        if g is not None:
             plgpu.store(g_ref.at[cols], g.astype(g_ref.dtype), mask=mask)
-        return acc
+        return acc if part is None else acc + part
 
     out_ref[0] = jnp.sum(_walk(v, tile, body, jnp.zeros((tile[0],), jnp.float32)))
 
@@ -197,7 +148,8 @@ def stats(z: jax.Array, t: DenseChunk | None, y: jax.Array | None, loss: Loss, t
     """``fused_kl.rowmath.STATS`` of each row of the chunk (local to this vocabulary slice)."""
     rows, v = z.shape
     args, specs = _inputs(z, t, y)
-    kernel = functools.partial(_stats_kernel, v=v, loss=loss, has_teacher=t is not None, hard=y is not None, tile=tile)
+    carries = online.StatsCarries.of(loss, t is not None, y is not None)
+    kernel = functools.partial(_stats_kernel, v=v, loss=loss, carries=carries, has_teacher=t is not None, tile=tile)
     width = len(rowmath.STATS)
     return _call(kernel, rows, args, specs, jax.ShapeDtypeStruct((rows, width), jnp.float32), _row(width), tile)
 
