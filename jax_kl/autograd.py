@@ -18,16 +18,9 @@ from .teachers import TeacherArrays
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
 def fused_linear_loss(
-    x: jax.Array,
-    weight: jax.Array,
-    bias: jax.Array | None,
-    teacher: TeacherArrays,
-    labels: jax.Array | None,
-    loss: Loss,
-    run: RunOptions,
-    layout: Layout,
-    compute: Callable,
-) -> jax.Array:
+    x: jax.Array, weight: jax.Array, bias: jax.Array | None, teacher: TeacherArrays, labels: jax.Array | None,
+    loss: Loss, run: RunOptions, layout: Layout, compute: Callable,
+) -> jax.Array:  # fmt: skip
     """The fused loss of ``x @ weight.T (+ bias)``; outside ``jax.grad`` only the loss is
     computed. ``compute`` is the backend (the chunk driver, or the bridge to Triton)."""
     return compute(x, weight, bias, teacher, labels, loss, run, layout, False)[0]

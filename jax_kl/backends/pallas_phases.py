@@ -38,14 +38,8 @@ def value(z: jax.Array, t: DenseChunk, stats: jax.Array, loss: Loss, tile: tuple
 
 
 def finish(
-    z: jax.Array,
-    t: DenseChunk | None,
-    y: jax.Array | None,
-    coefs: jax.Array,
-    loss: Loss,
-    v_total: int,
-    tile: tuple[int, int],
-    write_grad: bool,
-) -> tuple[jax.Array | None, jax.Array]:
+    z: jax.Array, t: DenseChunk | None, y: jax.Array | None, coefs: jax.Array, loss: Loss, v_total: int,
+    tile: tuple[int, int], write_grad: bool,
+) -> tuple[jax.Array | None, jax.Array]:  # fmt: skip
     """Phase 3: ``(dL/dz in z's buffer or None, the rows' forward-KL sums)``."""
     return _pick(z, t).finish(z, t, y, coefs, loss, v_total, tile, write_grad)
