@@ -222,7 +222,9 @@ def check_arrays(loss: Loss, arrays: dict[str, ArrayFacts | None], v_total: int 
         _int_array("labels", labels, lead, "x's leading dims")
         _same_device("labels", labels, x)
     elif loss.hard:
-        raise ValueError("labels: required when weight_hard_loss > 0 (the hard term's class indices), got None")
+        why = "the cross-entropy's class indices" if loss.teacher is None else "the hard term's class indices"
+        when = "" if loss.teacher is None else " when weight_hard_loss > 0"
+        raise ValueError(f"labels: required{when} ({why}), got None")
     if bias is not None:
         _float_array("bias", bias, x.dtype, "x")
         if bias.shape != (v,):

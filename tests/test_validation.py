@@ -297,7 +297,7 @@ BAD = {
         [[0, 1, 2], [4, 3, 2], [1, 3, 1], [2, 4, 1]])), on_values=True, contains=("distinct",)),
     # ---- v2: the hard term
     "hard term without labels": Bad(ValueError, "labels", _option(weight_hard_loss=0.5, labels=None),
-                                    expected_got=False),
+                                    expected_got=False, contains=("weight_hard_loss > 0",)),
     "hard term, kept label V": Bad(ValueError, "labels", lambda fw: {
         "weight_hard_loss": 0.5, "labels": fw.array(np.array([1, -100, V, 3]), "int32")}, on_values=True),
     "hard term, kept label -1": Bad(ValueError, "labels", lambda fw: {
@@ -309,7 +309,7 @@ BAD = {
         weight_hard_loss=0.5, labels=_indices([1, -100, 2, 3]), target_indices=_indices(
             [[0, 1, 2], [4, 3, 2], [1, 3, 1], [2, 4, 1]])), on_values=True, contains=("distinct",)),
     "cross_entropy without labels": Bad(ValueError, "labels", _option(labels=None), expected_got=False,
-                                        fn="cross_entropy"),
+                                        fn="cross_entropy", contains=("the cross-entropy's",)),
     "cross_entropy kept label V": Bad(ValueError, "labels", lambda fw: {
         "labels": fw.array(np.array([V, -100, 2, 3]), "int32")}, on_values=True, fn="cross_entropy"),
     "cross_entropy label_smoothing 1": Bad(ValueError, "label_smoothing", _option(label_smoothing=1.0),
