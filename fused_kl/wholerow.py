@@ -11,37 +11,36 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import rowmath, terms
+from .chunk import ChunkOps
 from .loss import Loss
 
 
 @dataclass(frozen=True)
 class RowOps:
-    """``xp`` (torch or jax.numpy); ``f32(a)``: ``a`` in float32; ``lse(a)``: the log-sum-exp
-    of each row, -inf for an empty one; ``gather(z, at)``: ``z[i, at[i, j]]`` in float32;
-    ``teacher_rows(t, rows)``: the dense teacher's rows of this chunk in float32;
-    ``columns(a)``: ``0 .. a.shape[1] - 1`` on ``a``'s device; ``write(z, g)``: ``dL/dz`` out in
-    ``z``'s dtype (torch: over ``z``; JAX: a new array)."""
+    """``chunk``: the framework's :class:`~fused_kl.chunk.ChunkOps` (``xp``, ``gather``, ``f32``);
+    ``lse(a)``: the log-sum-exp of each row, -inf for an empty one; ``teacher_rows(t, rows)``: the
+    dense teacher's rows of this chunk in float32; ``columns(a)``: ``0 .. a.shape[1] - 1`` on
+    ``a``'s device; ``write(z, g)``: ``dL/dz`` out in ``z``'s dtype (torch: over ``z``; JAX: a new
+    array)."""
 
-    xp: Any
-    f32: Callable[[Any], Any]
+    chunk: ChunkOps
     lse: Callable[[Any], Any]
-    gather: Callable[[Any, Any], Any]
     teacher_rows: Callable[[Any, int], Any]
     columns: Callable[[Any], Any]
     write: Callable[[Any, Any], Any]
 
 
 def _student(z: Any, loss: Loss, ops: RowOps) -> Any:
-    return terms.transform(ops.f32(z), loss.logit_scale, loss.softcap, ops.xp)
+    return terms.transform(ops.chunk.f32(z), loss.logit_scale, loss.softcap, ops.chunk.xp)
 
 
 def _teacher(t: Any, rows: int, loss: Loss, lse_t: Any, ops: RowOps) -> tuple[Any, Any]:
-    return terms.teacher_probs(ops.teacher_rows(t, rows), loss.teacher, lse_t[:, None], ops.xp)  # type: ignore[arg-type]
+    return terms.teacher_probs(ops.teacher_rows(t, rows), loss.teacher, lse_t[:, None], ops.chunk.xp)  # type: ignore[arg-type]
 
 
 def stats(z: Any, t: Any | None, y: Any | None, loss: Loss, ops: RowOps) -> Any:
     """``fused_kl.rowmath.STATS`` of each row of the chunk (local to this vocabulary slice)."""
-    xp, rows = ops.xp, z.shape[0]
+    xp, rows = ops.chunk.xp, z.shape[0]
     f = _student(z, loss, ops)
     lse = ops.lse(f / loss.temperature)
     lse_h = ops.lse(f) if loss.separate_hard_lse else lse
@@ -59,13 +58,13 @@ def stats(z: Any, t: Any | None, y: Any | None, loss: Loss, ops: RowOps) -> Any:
             rho = terms.reverse_term(xp.exp(log_q), log_q, b).sum(-1)
     if y is not None:
         logit_sum = f.sum(-1)
-        label_logit = rowmath.label_logit(z, y, loss, ops.gather, xp)
+        label_logit = rowmath.label_logit(z, y, loss, ops.chunk.gather, xp)
     return xp.stack([lse, lse_h, lse_t, mass, logit_sum, label_logit, rho], -1)
 
 
 def value(z: Any, t: Any, stats: Any, loss: Loss, ops: RowOps) -> Any:
     """Phase 2 (JSD): each row's sums of ``fused_kl.terms.jsd_terms``."""
-    xp = ops.xp
+    xp = ops.chunk.xp
     log_q = _student(z, loss, ops) / loss.temperature - stats[:, :1]
     p, log_p = _teacher(t, z.shape[0], loss, stats[:, 2], ops)
     a, b = terms.jsd_terms(xp.exp(log_q), log_q, p, log_p, loss.beta, xp)
@@ -76,7 +75,7 @@ def finish(
     z: Any, t: Any | None, y: Any | None, coefs: Any, loss: Loss, v_total: int, write_grad: bool, ops: RowOps
 ) -> tuple[Any | None, Any]:
     """Phase 3: ``(dL/dz or None, the rows' forward-KL sums)``; ``dL/dz`` through ``ops.write``."""
-    xp = ops.xp
+    xp = ops.chunk.xp
     f = _student(z, loss, ops)
     log_q = f / loss.temperature - coefs[:, :1]
     q = xp.exp(log_q)
@@ -93,5 +92,5 @@ def finish(
         is_label = ops.columns(f)[None, :] == y[:, None]  # type: ignore[index]
         g = g + coefs[:, 5:6] * terms.hard_direction(f, coefs[:, 1:2], is_label, loss, v_total, xp)
     live = (coefs[:, 4:5] != 0) | (coefs[:, 5:6] != 0)  # ignored rows: exactly 0, never NaN
-    g = xp.where(live, g * terms.slope(ops.f32(z), loss.logit_scale, loss.softcap, xp), 0.0)
+    g = xp.where(live, g * terms.slope(ops.chunk.f32(z), loss.logit_scale, loss.softcap, xp), 0.0)
     return ops.write(z, g), partial

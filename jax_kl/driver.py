@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from fused_kl import rowmath
-from fused_kl.chunk import ChunkOps, row_phases
+from fused_kl.chunk import row_phases
 from fused_kl.loss import Loss
 from fused_kl.options import RunOptions
 from fused_kl.plan import plan_chunks
@@ -23,24 +23,8 @@ from . import teachers
 from .backends import in_place_grad_weight_of, phases_of
 from .gemm import dot
 from .layout import Layout
+from .ops import OPS
 from .teachers import TeacherArrays
-
-
-def _set_at(g: jax.Array, at: jax.Array, values: jax.Array, mask: jax.Array) -> jax.Array:
-    # The masked-out entries go out of range and are dropped, so each kept entry is written once,
-    # rounded once (torch adds the difference: its masked-out entries share column 0).
-    at = jnp.where(mask, at, g.shape[1])
-    return g.at[jnp.arange(g.shape[0])[:, None], at].set(values.astype(g.dtype), mode="drop")
-
-
-# The indexed operations of the per-chunk phases (fused_kl.chunk), in JAX: functional.
-OPS = ChunkOps(
-    xp=jnp,
-    gather=lambda z, at: jnp.take_along_axis(z, at, axis=1).astype(jnp.float32),
-    set_at=_set_at,
-    f32=lambda a: a.astype(jnp.float32),
-    settle=lambda z, values: lax.optimization_barrier((z, values)),
-)
 
 
 def _add(acc: jax.Array | None, term: jax.Array) -> jax.Array:

@@ -128,7 +128,7 @@ def test_rows_with_sparse_values_and_no_dense_part_are_zeroed():
     values = torch.full((rows, 2), -0.25)
     values[5] = 0.0  # no dense part and no sparse value: left as it is
     mask = torch.ones(rows, 2, dtype=torch.bool)
-    from torch_kl.driver import OPS
+    from torch_kl.ops import OPS
 
     alpha = triton_factored.settle(z, tiles, stats, beta, torch.zeros(rows), None, loss, (at, values, mask), OPS.set_at)
     g = alpha[:, None].double() * z.double()
@@ -227,7 +227,7 @@ def test_the_topk_kernel_is_the_shared_topk_part(tail, temperature, hard, scale)
     from fused_kl import rowmath
     from fused_kl.chunk import topk_part
     from torch_kl.backends import triton_topk
-    from torch_kl.driver import OPS
+    from torch_kl.ops import OPS
     from torch_kl.layout import Layout
 
     rows, v, h, k = 32, 96, 16, 5

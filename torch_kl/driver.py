@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from fused_kl import rowmath
-from fused_kl.chunk import ChunkOps, local_labels, row_phases, topk_part
+from fused_kl.chunk import local_labels, row_phases, topk_part
 from fused_kl.loss import Loss
 from fused_kl.options import RunOptions
 from fused_kl.plan import plan_chunks
@@ -21,6 +21,7 @@ from fused_kl.plan import plan_chunks
 from . import teachers
 from .backends import factored_of, fused_logits_of, phases_of
 from .layout import Layout
+from .ops import OPS
 from .teachers import TeacherArrays
 
 
@@ -36,18 +37,6 @@ class Needs:
     def any(self) -> bool:
         return self.x or self.weight or self.bias
 
-
-# The indexed operations of the per-chunk phases (fused_kl.chunk), in torch: in place.
-OPS = ChunkOps(
-    xp=torch,
-    gather=lambda z, at: z.gather(1, at).float(),
-    # An add of the difference, not a write: the masked-out entries all point at column 0.
-    set_at=lambda g, at, values, mask: g.scatter_add_(
-        1, at, torch.where(mask, values - g.gather(1, at).float(), 0.0).to(g.dtype)
-    ),
-    f32=lambda a: a.float(),
-    settle=lambda z, values: (z, values),  # eager: already made
-)
 
 _OUT_DTYPE: dict[tuple[str, torch.dtype], bool] = {}
 

@@ -35,6 +35,7 @@ from fused_kl import rowmath, terms
 from fused_kl.checks import backend_unavailable
 from fused_kl.loss import Loss
 
+from ..ops import OPS
 from ..teachers import DenseChunk
 from . import online
 
@@ -252,8 +253,7 @@ def stats(z: jax.Array, t: DenseChunk | None, y: jax.Array | None, loss: Loss, t
     lse, lse_h, lse_t, mass, f_sum, rho = online.stats_columns(parts, carries, _lse, lambda a: jnp.sum(a, axis=0), zero)
     label_logit = zero
     if y is not None:
-        gather = lambda a, at: jnp.take_along_axis(a, at, axis=1).astype(jnp.float32)
-        label_logit = rowmath.label_logit(z, y, loss, gather, jnp)
+        label_logit = rowmath.label_logit(z, y, loss, OPS.gather, jnp)
     return jnp.stack([lse, lse_h, lse_t, mass, f_sum, label_logit, rho], axis=1)
 
 

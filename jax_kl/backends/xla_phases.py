@@ -8,35 +8,24 @@ a dense teacher and the row of it where the chunk starts (``(array, row0)``), or
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
-from jax import lax
 
 from fused_kl import wholerow
 from fused_kl.loss import Loss
 
+from ..ops import ROW_OPS
 from ..teachers import DenseChunk
-
-OPS = wholerow.RowOps(
-    xp=jnp,
-    f32=lambda a: a.astype(jnp.float32),
-    lse=lambda a: jax.nn.logsumexp(a, axis=-1),
-    gather=lambda z, at: jnp.take_along_axis(z, at, axis=1).astype(jnp.float32),
-    teacher_rows=lambda t, rows: lax.dynamic_slice_in_dim(t[0], t[1], rows).astype(jnp.float32),
-    columns=lambda a: jnp.arange(a.shape[1]),
-    write=lambda z, g: g.astype(z.dtype),
-)
 
 
 def stats(z: jax.Array, t: DenseChunk | None, y: jax.Array | None, loss: Loss, tile: tuple[int, int]) -> jax.Array:
     """``fused_kl.rowmath.STATS`` of each row of the chunk (local to this vocabulary slice)."""
     del tile  # whole rows at once
-    return wholerow.stats(z, t, y, loss, OPS)
+    return wholerow.stats(z, t, y, loss, ROW_OPS)
 
 
 def value(z: jax.Array, t: DenseChunk, stats: jax.Array, loss: Loss, tile: tuple[int, int]) -> jax.Array:
     """Phase 2 (JSD): each row's sums of ``fused_kl.terms.jsd_terms``."""
     del tile
-    return wholerow.value(z, t, stats, loss, OPS)
+    return wholerow.value(z, t, stats, loss, ROW_OPS)
 
 
 def finish(
@@ -51,4 +40,4 @@ def finish(
 ) -> tuple[jax.Array | None, jax.Array]:
     """Phase 3: ``(dL/dz in z's dtype or None, the rows' forward-KL sums)``."""
     del tile
-    return wholerow.finish(z, t, y, coefs, loss, v_total, write_grad, OPS)
+    return wholerow.finish(z, t, y, coefs, loss, v_total, write_grad, ROW_OPS)

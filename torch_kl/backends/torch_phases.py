@@ -1,8 +1,8 @@
 """The row phases in plain PyTorch: the ``"torch"`` backend, for CPUs and any device.
 
 ``fused_kl.wholerow`` (shared with JAX's ``"xla"`` backend) in torch's spelling: the same inputs,
-outputs and math as ``triton_phases``, with whole-row tensor ops instead of an online pass.
-``dL/dz`` is written over the logits, as the Triton kernels write it.
+outputs and math as ``triton_phases``, with whole-row tensor ops instead of an online pass
+(``torch_kl.ops.ROW_OPS``: ``dL/dz`` is written over the logits, as the Triton kernels write it).
 """
 
 from __future__ import annotations
@@ -12,20 +12,7 @@ import torch
 from fused_kl import wholerow
 from fused_kl.loss import Loss
 
-
-def _lse(a: torch.Tensor) -> torch.Tensor:
-    return torch.logsumexp(a, dim=-1) if a.shape[-1] else a.sum(-1) + float("-inf")
-
-
-OPS = wholerow.RowOps(
-    xp=torch,
-    f32=lambda a: a.float(),
-    lse=_lse,
-    gather=lambda z, at: z.gather(1, at).float(),
-    teacher_rows=lambda t, rows: t.float(),  # the chunk's rows already
-    columns=lambda a: torch.arange(a.shape[1], device=a.device),
-    write=lambda z, g: z.copy_(g),
-)
+from ..ops import ROW_OPS
 
 
 def stats(
@@ -33,13 +20,13 @@ def stats(
 ) -> torch.Tensor:
     """``fused_kl.rowmath.STATS`` of each row of the chunk (local to this vocabulary slice)."""
     del tile  # whole rows at once
-    return wholerow.stats(z, t, y, loss, OPS)
+    return wholerow.stats(z, t, y, loss, ROW_OPS)
 
 
 def value(z: torch.Tensor, t: torch.Tensor, stats: torch.Tensor, loss: Loss, tile: tuple[int, int]) -> torch.Tensor:
     """Phase 2 (JSD): each row's sums of ``fused_kl.terms.jsd_terms``."""
     del tile
-    return wholerow.value(z, t, stats, loss, OPS)
+    return wholerow.value(z, t, stats, loss, ROW_OPS)
 
 
 def finish(
@@ -55,4 +42,4 @@ def finish(
     """Phase 3: ``dL/dz`` written over ``z`` (if ``write_grad``); returns ``(z or None, the rows'
     forward-KL sums)``."""
     del tile
-    return wholerow.finish(z, t, y, coefs, loss, v_total, write_grad, OPS)
+    return wholerow.finish(z, t, y, coefs, loss, v_total, write_grad, ROW_OPS)

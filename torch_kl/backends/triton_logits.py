@@ -39,6 +39,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from fused_kl import rowmath
 from fused_kl.loss import Loss
 
+from ..ops import OPS
 from .triton_factored import exp_tile
 from .triton_phases import kernel_floats
 from .triton_terms import LN2, LOG2E, transform
@@ -233,7 +234,7 @@ def _combine(parts: torch.Tensor, z: torch.Tensor, y: torch.Tensor | None, loss:
             zero,
             zero,
             parts[2].sum(0) if _sums_f(loss) else zero,
-            zero if y is None else rowmath.label_logit(z, y, loss, lambda a, at: a.gather(1, at).float(), torch),
+            zero if y is None else rowmath.label_logit(z, y, loss, OPS.gather, torch),
             zero,  # no reverse KL here: its stats read the teacher
         ],
         dim=1,
