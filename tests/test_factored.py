@@ -227,8 +227,8 @@ def test_the_topk_kernel_is_the_shared_topk_part(tail, temperature, hard, scale)
     from fused_kl import rowmath
     from fused_kl.chunk import topk_part
     from torch_kl.backends import triton_topk
-    from torch_kl.ops import OPS
     from torch_kl.layout import Layout
+    from torch_kl.ops import OPS
 
     rows, v, h, k = 32, 96, 16, 5
     loss = Loss(teacher=Teacher("topk_log_probs", temperature, topk_tail=tail), temperature=temperature,
