@@ -19,7 +19,7 @@ from fused_kl.reference import Expected, reference, reference_cross_entropy
 
 TORCH_BACKENDS = tuple(f"torch/{name}" for name in torch_kl.backends.REGISTRY)
 # The Mosaic GPU kernels run only on a Hopper GPU; on CPU they are checked by lowering them
-# (tests/test_mosaic_lowering.py).
+# (tests/test_pallas_lowering.py).
 JAX_BACKENDS = tuple(
     f"jax/{name}"
     for name in jax_kl.backends.REGISTRY

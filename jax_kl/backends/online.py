@@ -154,7 +154,8 @@ def finish_tile(
         acc = jnp.sum(jnp.where(mask, terms.forward_term(p, log_p, log_q, xp), 0.0), axis=1)
     if not write_grad:
         return acc, None
-    live = row(jnp.where((c_soft != 0.0) | (c_hard != 0.0), 1.0, 0.0)) != 0.0  # ignored rows: exactly 0
+    # ignored rows: exactly 0. A float row broadcast, then compared: both lowerings take this form
+    live = row(jnp.abs(c_soft) + jnp.abs(c_hard)) != 0.0
     g = row(c_soft) * terms.soft_direction(loss.kind, q, log_q, p, log_p, row(k), loss.beta, xp)
     if y is not None:
         g += row(c_hard) * terms.hard_direction(f, row(lse_h), cols == row(y), loss, v_total, xp)

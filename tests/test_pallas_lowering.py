@@ -1,6 +1,7 @@
-"""The Mosaic GPU row kernels on a machine without a GPU: every phase of every loss kind,
-teacher format and hard-label option lowers to a Mosaic GPU kernel for CUDA (the step that
-rejects unsupported operations and layouts); the chunk checks, the grid and the fallback of
+"""The Pallas row kernels on a machine without a GPU: every phase of every loss kind, teacher
+format and hard-label option lowers for CUDA to a Mosaic GPU kernel and to a Triton kernel (the
+step that rejects unsupported operations and layouts; the CPU tests otherwise run the Triton
+lowering's kernels in interpret mode); the chunk checks, the grid and the fallback of
 ``backend="pallas"`` to the Triton lowering. Their numbers are tested on the GPU
 (``tests/test_gpu_mosaic.py``)."""
 
@@ -40,26 +41,39 @@ LOSSES = {
 ROWS, V = 200, 1024  # 200 rows: a partial last 64-row block
 
 
-def _chunk(loss: Loss, z, t, y):
-    stats = pallas_mosaic.stats(z, t, y, loss, (1, 1))
+def _chunk(kernels, loss: Loss, z, t, y, tile=(1, 1)):
+    stats = kernels.stats(z, t, y, loss, tile)
     if loss.kind == "jsd":  # reverse KL's sum comes with the statistics
-        stats = stats + pallas_mosaic.value(z, t, stats, loss, (1, 1))[:, :1]
-    return pallas_mosaic.finish(z, t, y, stats, loss, V, (1, 1), True)
+        stats = stats + kernels.value(z, t, stats, loss, tile)[:, :1]
+    return kernels.finish(z, t, y, stats, loss, V, tile, True)
 
 
-@pytest.mark.parametrize("name", list(LOSSES))
-def test_every_phase_lowers_to_a_mosaic_gpu_kernel(name: str) -> None:
+def _lowered_chunk(kernels, name: str, tile=(1, 1)) -> tuple[str, int]:
+    """The CUDA lowering of one chunk's phases, and how many phases it has."""
     loss, t_dtype, hard = LOSSES[name]
     z = jax.ShapeDtypeStruct((ROWS, V), jnp.bfloat16)
     target = None if t_dtype is None else jax.ShapeDtypeStruct((ROWS + 64, V), t_dtype)
     y = jax.ShapeDtypeStruct((ROWS,), jnp.int32) if hard else None
 
     def f(z, target, y):
-        return _chunk(loss, z, None if target is None else (target, 64), y)
+        return _chunk(kernels, loss, z, None if target is None else (target, 64), y, tile)
 
     text = jax.jit(f).trace(z, target, y).lower(lowering_platforms=("cuda",)).as_text()
-    phases = 2 + (loss.kind == "jsd")
+    return text, 2 + (loss.kind == "jsd")
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_every_phase_lowers_to_a_mosaic_gpu_kernel(name: str) -> None:
+    text, phases = _lowered_chunk(pallas_mosaic, name)
     assert text.count("fused_kl_rows_mosaic") >= phases, text[:2000]
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_every_phase_lowers_to_a_triton_kernel(name: str, monkeypatch) -> None:
+    # Off a GPU the kernels run in interpret mode, which lowers none of their operations.
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    text, phases = _lowered_chunk(pallas_triton, name, tile=(8, 128))
+    assert text.count("xla.gpu.triton") == phases, text[:2000]
 
 
 def test_finish_writes_dl_dz_over_the_logits() -> None:
@@ -70,7 +84,7 @@ def test_finish_writes_dl_dz_over_the_logits() -> None:
     target = jax.ShapeDtypeStruct((ROWS, V), jnp.float32)
 
     def f(z, target):
-        g, sums = _chunk(loss, z, (target, 0), None)
+        g, sums = _chunk(pallas_mosaic, loss, z, (target, 0), None)
         assert g.shape == z.shape and g.dtype == z.dtype
         return g, sums
 
@@ -181,7 +195,7 @@ def test_in_place_kernels_lower_inside_shard_map() -> None:
     loss = Loss(teacher=Teacher("probs", 1.0))
 
     def local(z, target, acc, x):
-        g, sums = _chunk(loss, z, (target, 0), None)
+        g, sums = _chunk(pallas_mosaic, loss, z, (target, 0), None)
         return mosaic_accumulate.accumulate(acc, g, x), sums
 
     specs = (P(None, "v"), P(None, "v"), P("v"), P())
