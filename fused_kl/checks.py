@@ -222,9 +222,7 @@ def check_arrays(loss: Loss, arrays: dict[str, ArrayFacts | None], v_total: int 
         _int_array("labels", labels, lead, "x's leading dims")
         _same_device("labels", labels, x)
     elif loss.hard:
-        why = "the cross-entropy's class indices" if loss.teacher is None else "the hard term's class indices"
-        when = "" if loss.teacher is None else " when weight_hard_loss > 0"
-        raise ValueError(f"labels: required{when} ({why}), got None")
+        raise ValueError(f"labels: required ({labels_role(loss)}), got None")
     if bias is not None:
         _float_array("bias", bias, x.dtype, "x")
         if bias.shape != (v,):
@@ -302,6 +300,13 @@ def check_array_args(
     return check_arrays(loss, facts, v_total)
 
 
+def labels_role(loss: Loss) -> str:
+    """What the labels are for, as the messages about them say it."""
+    if loss.teacher is None:
+        return "the cross-entropy's class indices"
+    return "the hard term's class indices, weight_hard_loss > 0"
+
+
 def check_int32_ignore_index(ignore_index: int, why: str) -> None:
     """Where labels are compared as int32, ``ignore_index`` must fit in 32 bits (``why`` says where)."""
     if not -(2**31) <= ignore_index < 2**31:
@@ -324,17 +329,16 @@ def value_summary(
     return parts
 
 
-def check_value_summary(values: list[int], labels: bool, indices: bool, v: int) -> None:
+def check_value_summary(values: list[int], loss: Loss, labels: bool, indices: bool, v: int) -> None:
     """Raise on bad concrete values, from :func:`value_summary`'s parts as ints: every kept label
-    of the hard term in ``[0, V)``; top-k indices in ``[0, V)`` and distinct within a row."""
+    (the hard term's or the cross-entropy's) in ``[0, V)``; top-k indices in ``[0, V)`` and
+    distinct within a row."""
     if labels:
         kept_min, kept_max = values[:2]
         values = values[2:]
         if kept_min < 0 or kept_max >= v:
             bad = kept_min if kept_min < 0 else kept_max
-            raise ValueError(
-                f"labels: expected class indices in [0, {v}) for kept rows (weight_hard_loss > 0), got {bad}"
-            )
+            raise ValueError(f"labels: expected values in [0, {v}) for kept rows ({labels_role(loss)}), got {bad}")
     if indices:
         lo, hi, duplicated = values[:3]
         if lo < 0 or hi >= v:

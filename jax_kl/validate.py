@@ -61,7 +61,7 @@ def check_values(loss: Loss, labels: object, indices: object, v_total: int) -> N
         lambda a: np.sort(a, axis=-1),
         np,
     )
-    check_value_summary([int(p) for p in parts], check_labels, check_indices, v_total)
+    check_value_summary([int(p) for p in parts], loss, check_labels, check_indices, v_total)
 
 
 def validate(

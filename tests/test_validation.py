@@ -299,7 +299,8 @@ BAD = {
     "hard term without labels": Bad(ValueError, "labels", _option(weight_hard_loss=0.5, labels=None),
                                     expected_got=False, contains=("weight_hard_loss > 0",)),
     "hard term, kept label V": Bad(ValueError, "labels", lambda fw: {
-        "weight_hard_loss": 0.5, "labels": fw.array(np.array([1, -100, V, 3]), "int32")}, on_values=True),
+        "weight_hard_loss": 0.5, "labels": fw.array(np.array([1, -100, V, 3]), "int32")}, on_values=True,
+        contains=("weight_hard_loss > 0",)),
     "hard term, kept label -1": Bad(ValueError, "labels", lambda fw: {
         "weight_hard_loss": 0.5, "labels": fw.array(np.array([1, -100, -1, 3]), "int32")}, on_values=True),
     # both value checks in one call (one transfer in torch): each still names its argument
@@ -311,7 +312,8 @@ BAD = {
     "cross_entropy without labels": Bad(ValueError, "labels", _option(labels=None), expected_got=False,
                                         fn="cross_entropy", contains=("the cross-entropy's",)),
     "cross_entropy kept label V": Bad(ValueError, "labels", lambda fw: {
-        "labels": fw.array(np.array([V, -100, 2, 3]), "int32")}, on_values=True, fn="cross_entropy"),
+        "labels": fw.array(np.array([V, -100, 2, 3]), "int32")}, on_values=True, fn="cross_entropy",
+        contains=("the cross-entropy's",)),
     "cross_entropy label_smoothing 1": Bad(ValueError, "label_smoothing", _option(label_smoothing=1.0),
                                            fn="cross_entropy"),
     "cross_entropy softcap 0": Bad(ValueError, "softcap", _option(softcap=0.0), fn="cross_entropy"),

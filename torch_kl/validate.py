@@ -102,7 +102,7 @@ def check_values(
     def wait() -> None:
         if done is not None:
             done.synchronize()
-        check_value_summary(summary.tolist(), check_labels, check_indices, v_total)
+        check_value_summary(summary.tolist(), loss, check_labels, check_indices, v_total)
 
     return wait
 
