@@ -267,6 +267,7 @@ def _check_teacher(
             )
         if tb is not None:
             _float_array("teacher_bias", tb, target.dtype, "target")
+            _same_device("teacher_bias", tb, target, "target")
             if tb.shape != (v,):
                 raise ValueError(f"teacher_bias: expected shape [{v}] (V), got {_shape(tb)}")
         return target.shape[-1]
@@ -305,6 +306,18 @@ def labels_role(loss: Loss) -> str:
     if loss.teacher is None:
         return "the cross-entropy's class indices"
     return "the hard term's class indices, weight_hard_loss > 0"
+
+
+# The integer dtypes labels and top-k indices are used in. Narrower ones are widened first
+# (:func:`widened_index_dtype`): a gather may not take them, and comparing them with
+# ``ignore_index`` in their own dtype would wrap it (256 equals 0 in int8).
+INDEX_DTYPES = ("int32", "int64")
+
+
+def widened_index_dtype(facts: ArrayFacts, wide: str) -> str | None:
+    """The dtype (``wide``, the framework's choice) labels or top-k indices of another integer
+    dtype than :data:`INDEX_DTYPES` are widened to; None when they are used as they are."""
+    return wide if facts.kind == "int" and facts.dtype not in INDEX_DTYPES else None
 
 
 def check_int32_ignore_index(ignore_index: int, why: str) -> None:

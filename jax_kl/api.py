@@ -17,12 +17,13 @@ from .backends import compute_of
 from .layout import Layout
 from .sharding import run_inside, run_sharded, vocab_shards_inside
 from .teachers import TeacherArrays
-from .validate import validate
+from .validate import validate, widen_indices
 
 
 def _run(arrays: dict[str, Any], with_teacher: bool, mesh, batch_axis, vocab_axis, options: dict[str, Any]):
     inside = mesh is None and (batch_axis is not None or vocab_axis is not None)
     shards = vocab_shards_inside(batch_axis, vocab_axis) if inside else 1
+    arrays = widen_indices(arrays)
     shapes, loss, run = validate(
         arrays, shards, with_teacher=with_teacher, single_device=mesh is None and not inside, **options
     )

@@ -16,6 +16,7 @@ from fused_kl.checks import (
     check_options,
     check_value_summary,
     value_summary,
+    widened_index_dtype,
 )
 from fused_kl.loss import Loss
 from fused_kl.options import RunOptions
@@ -64,6 +65,18 @@ def check_values(loss: Loss, labels: object, indices: object, v_total: int) -> N
     check_value_summary([int(p) for p in parts], loss, check_labels, check_indices, v_total)
 
 
+def widen_indices(arrays: dict[str, object]) -> dict[str, object]:
+    """``arrays`` with labels and top-k indices of a narrower integer dtype as new int32 arrays
+    (int64 under ``jax_enable_x64``; ``fused_kl.checks.INDEX_DTYPES``); the caller's are untouched."""
+    out = dict(arrays)
+    wide = "int64" if jax.config.jax_enable_x64 else "int32"
+    for name in ("labels", "target_indices"):
+        a = out.get(name)
+        if isinstance(a, (jax.Array, np.ndarray)) and widened_index_dtype(facts(name, a), wide):
+            out[name] = a.astype(wide)
+    return out
+
+
 def validate(
     arrays: dict[str, object],
     vocab_shards: int = 1,
@@ -93,8 +106,11 @@ def validate(
             f"backend: {backend!r} runs on one device; mesh, batch_axis and vocab_axis need 'pallas', "
             "'pallas_mosaic', 'pallas_triton' or 'xla'"
         )
-    if arrays.get("labels") is not None and not jax.config.jax_enable_x64:
-        # Else the comparison with the labels overflows inside the jitted program.
+    labels = arrays.get("labels")
+    # Else the comparison with the labels overflows inside the jitted program.
+    if labels is not None and not jax.config.jax_enable_x64:
         check_int32_ignore_index(loss.ignore_index, "JAX's labels are int32 without jax_enable_x64")
+    elif labels is not None and np.dtype(labels.dtype) == np.int32:  # type: ignore[attr-defined]
+        check_int32_ignore_index(loss.ignore_index, "the labels are int32")
     check_values(loss, arrays.get("labels"), arrays.get("target_indices"), shapes.v * vocab_shards)
     return shapes, loss, dataclasses.replace(run, backend=chosen.name)

@@ -207,6 +207,19 @@ def test_modules_refuse_at_construction_what_they_pass_themselves(module: str, k
         getattr(torch_kl, module)(**{keyword: None})
 
 
+@pytest.mark.parametrize(
+    ("module", "function"),
+    [
+        ("FusedLinearKLDivLoss", "fused_linear_kl_div"),
+        ("FusedLinearJSDLoss", "fused_linear_kl_div"),
+        ("FusedLinearCrossEntropyLoss", "fused_linear_cross_entropy"),
+    ],
+)
+def test_modules_refuse_at_construction_a_keyword_the_function_does_not_take(module: str, function: str) -> None:
+    with pytest.raises(TypeError, match=rf"^temprature: not a keyword of torch_kl\.{function}$"):
+        getattr(torch_kl, module)(temprature=2.0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("g", [1.0, 3.0, 0.1])
 def test_rescale_kernel_multiplies_in_float32(dtype: torch.dtype, g: float) -> None:

@@ -225,6 +225,9 @@ BAD = {
     "ignore_index a float": Bad(TypeError, "ignore_index", _option(ignore_index=-100.0)),
     "ignore_index None": Bad(TypeError, "ignore_index", _option(ignore_index=None)),
     "ignore_index beyond 64 bits": Bad(ValueError, "ignore_index", _option(ignore_index=2**70)),
+    # the call's labels are int32: 2**32 would wrap to 0 and ignore every row labelled 0
+    "ignore_index beyond int32 labels": Bad(ValueError, "ignore_index", _option(ignore_index=2**32),
+                                            same_message=False),
     "accum_dtype int32": Bad(TypeError, "accum_dtype", lambda fw: {"accum_dtype": fw.dtype("int32")}),
     "accum_dtype float64": Bad(TypeError, "accum_dtype", lambda fw: {"accum_dtype": fw.dtype("float64")}),
     "accum_dtype not a dtype": Bad(TypeError, "accum_dtype", _option(accum_dtype="banana"), same_message=False),
@@ -270,6 +273,8 @@ BAD = {
         "target_format": "logits", "teacher_bias": _array(fw, "teacher_bias")}, expected_got=False),
     "teacher_weight on another device": Bad(ValueError, "teacher_weight", _meta("teacher_weight", _hidden()),
                                             frameworks=(Torch,)),
+    "teacher_bias on another device": Bad(ValueError, "teacher_bias", _meta("teacher_bias", _hidden(
+        teacher_bias=lambda fw: _array(fw, "teacher_bias"))), frameworks=(Torch,)),
     # ---- v2: top-k log-probabilities
     "topk_tail unknown": Bad(ValueError, "topk_tail", _topk(topk_tail="truncate")),
     "topk_tail None": Bad(ValueError, "topk_tail", _option(topk_tail=None)),

@@ -1,6 +1,7 @@
 """Checks that depend on values or on the machine: labels and top-k indices under ``jax.jit``
-(NaN, not an error), the bridges refusing a real group or mesh, old backend names, backends
-not available here, ``N == 0``, NaN and inf propagating, NumPy scalars as numbers."""
+(NaN, not an error) and in narrower integer dtypes, the bridges refusing a real group or mesh,
+old backend names, backends not available here, ``N == 0``, NaN and inf propagating, NumPy
+scalars as numbers."""
 
 from __future__ import annotations
 
@@ -67,6 +68,33 @@ def test_labels_outside_the_vocabulary_are_fine_as_a_mask(framework: str) -> Non
     got = run(backend, inp, weight_hard_loss=1.0, ignore_index=50).loss
     assert got == pytest.approx(reference(inp.x, inp.weight, inp.target, inp.labels, weight_hard_loss=1.0,
                                           ignore_index=50).loss, rel=2e-5)
+
+
+@pytest.mark.parametrize("backend", ["torch/torch", "torch/triton", "jax/xla"])
+@pytest.mark.parametrize("dtype", ["int8", "int16", "uint8"])
+def test_narrower_integer_labels_and_indices_are_widened(backend: str, dtype: str) -> None:
+    """Labels and top-k indices of a narrower integer dtype give the loss int32 ones give (torch's
+    gathers refuse them), and an ``ignore_index`` they cannot hold (256) ignores no row instead
+    of wrapping to label 0 (the callers' arrays are not modified)."""
+    inp = make_inputs(8, 4, 11, target_format="topk_log_probs", k=3, ignore_frac=0.0)
+    inp.labels[:2] = 0
+    framework, name = backend.split("/")
+    options = dict(weight_hard_loss=0.5, ignore_index=256, backend=name, target_format=inp.target_format)
+
+    def loss(index_dtype: str) -> float:
+        if framework == "torch":
+            a = torch_tensors(inp, index_dtype=index_dtype)
+            a.pop("bias"), a.pop("target_format")
+            given = {k: a[k].clone() for k in ("labels", "target_indices")}
+            value = float(torch_kl.fused_linear_kl_div(a.pop("x"), a.pop("weight"), a.pop("target"), **a, **options))
+            assert all(torch.equal(a[k], given[k]) and a[k].dtype == given[k].dtype for k in given)
+            return value
+        a = _jax_arrays(inp)
+        a["labels"], a["target_indices"] = (a[k].astype(index_dtype) for k in ("labels", "target_indices"))
+        a.pop("bias")
+        return float(_call_jax(a, **options))
+
+    assert loss(dtype) == pytest.approx(loss("int32"), rel=1e-6)
 
 
 def test_torch_bridge_refuses_a_process_group() -> None:

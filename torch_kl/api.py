@@ -16,7 +16,7 @@ from .backends import compute_of
 from .driver import Needs
 from .layout import Layout
 from .teachers import TeacherArrays
-from .validate import validate
+from .validate import validate, widen_indices
 
 
 def _autocast(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
@@ -29,6 +29,7 @@ def _autocast(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
 
 
 def _run(arrays: dict[str, Any], layout: Layout, with_teacher: bool, options: dict[str, Any]) -> torch.Tensor:
+    arrays = widen_indices(arrays)
     shapes, loss, run, wait = validate(arrays, layout, with_teacher=with_teacher, **options)
     x, weight, bias = _autocast(arrays["x"], arrays["weight"], arrays["bias"])
     n = shapes.n

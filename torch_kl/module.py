@@ -3,18 +3,24 @@
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
+
 import torch
 
 from .api import fused_linear_cross_entropy, fused_linear_kl_div
 
 
-def _constructor_options(options: dict, taken: tuple[str, ...]) -> dict:
-    """``options`` for every call, refusing at construction a keyword the module passes itself
-    (``taken``: ``forward``'s arguments, or what the module fixes), which would otherwise fail at
-    the first call with Python's "multiple values" error."""
+def _constructor_options(options: dict, fn: Callable, taken: tuple[str, ...]) -> dict:
+    """``options`` for every call to ``fn``, refusing at construction a keyword ``fn`` does not
+    take, or one the module passes itself (``taken``: ``forward``'s arguments, or what the module
+    fixes): either would otherwise fail only at the first call."""
+    known = inspect.signature(fn).parameters
     for name in options:
         if name in taken:
             raise TypeError(f"{name}: this module sets it on every call (pass it to forward() if it is an input there)")
+        if name not in known:
+            raise TypeError(f"{name}: not a keyword of torch_kl.{fn.__name__}")
     return options
 
 
@@ -24,7 +30,8 @@ class FusedLinearKLDivLoss(torch.nn.Module):
     The constructor's first five parameters and ``forward(x, weight, target, labels=None,
     bias=None)`` have the positional order of Liger's ``LigerFusedLinearKLDivLoss``, so it is
     a drop-in replacement; every other keyword of the function is accepted, keyword-only, except
-    ``forward``'s arguments (``bias``, ``labels``), which are refused with a ``TypeError``.
+    ``forward``'s arguments (``bias``, ``labels``); those and unknown keywords are refused with a
+    ``TypeError`` at construction.
     """
 
     def __init__(
@@ -43,7 +50,7 @@ class FusedLinearKLDivLoss(torch.nn.Module):
             temperature=temperature,
             eps=eps,
             accum_dtype=accum_dtype,
-            **_constructor_options(options, ("x", "weight", "target", "labels", "bias")),
+            **_constructor_options(options, fused_linear_kl_div, ("x", "weight", "target", "labels", "bias")),
         )
 
     def forward(
@@ -96,7 +103,9 @@ class FusedLinearJSDLoss(torch.nn.Module):
             target_format="hidden",
             reduction="batchmean",
             **_constructor_options(
-                options, ("target_format", "reduction", "bias", "teacher_weight", "teacher_bias", "labels")
+                options,
+                fused_linear_kl_div,
+                ("target_format", "reduction", "bias", "teacher_weight", "teacher_bias", "labels"),
             ),
         )
 
@@ -131,7 +140,7 @@ class FusedLinearCrossEntropyLoss(torch.nn.Module):
 
     def __init__(self, **options: object) -> None:
         super().__init__()
-        self.options = _constructor_options(options, ("x", "weight", "labels", "bias"))
+        self.options = _constructor_options(options, fused_linear_cross_entropy, ("x", "weight", "labels", "bias"))
 
     def forward(
         self, x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, bias: torch.Tensor | None = None

@@ -17,6 +17,7 @@ from fused_kl.checks import (
     check_options,
     check_value_summary,
     value_summary,
+    widened_index_dtype,
 )
 from fused_kl.loss import Loss
 from fused_kl.options import RunOptions
@@ -107,6 +108,17 @@ def check_values(
     return wait
 
 
+def widen_indices(arrays: dict[str, object]) -> dict[str, object]:
+    """``arrays`` with labels and top-k indices of a narrower integer dtype as new int64 tensors
+    (``fused_kl.checks.INDEX_DTYPES``); the caller's tensors are untouched."""
+    out = dict(arrays)
+    for name in ("labels", "target_indices"):
+        a = out.get(name)
+        if isinstance(a, torch.Tensor) and widened_index_dtype(facts(name, a), "int64"):
+            out[name] = a.to(torch.int64)
+    return out
+
+
 def validate(
     arrays: dict[str, object], layout: Layout, *, accum_dtype: object, with_teacher: bool = True, **options: object
 ) -> tuple[Shapes, Loss, RunOptions, Callable[[], None] | None]:
@@ -169,7 +181,10 @@ def _validate(
         raise ValueError(
             f"backend: {backend!r} runs on one device; batch_group and vocab_group need 'triton' or 'torch'"
         )
-    if chosen.name == "pallas" and arrays.get("labels") is not None:
+    labels = arrays.get("labels")
+    if chosen.name == "pallas" and labels is not None:
         check_int32_ignore_index(loss.ignore_index, "backend 'pallas' hands the labels to JAX as int32")
+    elif labels is not None and labels.dtype == torch.int32:  # type: ignore[attr-defined]
+        check_int32_ignore_index(loss.ignore_index, "the labels are int32")
     wait = check_values(loss, arrays.get("labels"), arrays.get("target_indices"), shapes.v * shards)  # type: ignore[arg-type]
     return shapes, loss, dataclasses.replace(run, backend=chosen.name), wait
