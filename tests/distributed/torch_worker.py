@@ -142,6 +142,23 @@ def _empty_row_shard(rank: int, world: int) -> None:
         assert got["x"].shape[0] == (0 if rank == 0 else 12), got["x"].shape
 
 
+@case("compiled")
+def _compiled(rank: int, world: int) -> None:
+    """``torch.compile(fullgraph=True)`` with either group gives the eager call's loss and
+    gradients (the ranks' comparison of their calls is skipped there, as documented)."""
+    p = problem(bias=True)
+    shards = {"batch_group": rows_of(p, rank, 5, False), "vocab_group": vocab_of(p, rank, world, "probs")}
+    for backend in BACKENDS:
+        for layout, shard in shards.items():
+            options = {"backend": backend, layout: _group()}
+            compiled = torch.compile(torch_kl.fused_linear_kl_div, backend="aot_eager", fullgraph=True)
+            want_loss, want = run(shard, options)
+            got_loss, got = run(shard, options, fn=compiled)
+            check(f"{layout}, {backend}: compiled loss", got_loss, want_loss, 1e-6)
+            for k, g in got.items():
+                check(f"{layout}, {backend}: compiled grad_{k}", g, want[k], 1e-6)
+
+
 def _raises(fn, *needles: str) -> None:
     try:
         fn()
