@@ -221,6 +221,8 @@ def check_arrays(loss: Loss, arrays: dict[str, ArrayFacts | None], v_total: int 
     if labels is not None:
         _int_array("labels", labels, lead, "x's leading dims")
         _same_device("labels", labels, x)
+        if labels.dtype == "int32":  # compared with ignore_index in int32, which would wrap it
+            check_int32_ignore_index(loss.ignore_index, "the labels are int32")
     elif loss.hard:
         raise ValueError(f"labels: required ({labels_role(loss)}), got None")
     if bias is not None:

@@ -106,11 +106,8 @@ def validate(
             f"backend: {backend!r} runs on one device; mesh, batch_axis and vocab_axis need 'pallas', "
             "'pallas_mosaic', 'pallas_triton' or 'xla'"
         )
-    labels = arrays.get("labels")
-    # Else the comparison with the labels overflows inside the jitted program.
-    if labels is not None and not jax.config.jax_enable_x64:
+    if arrays.get("labels") is not None and not jax.config.jax_enable_x64:
+        # Else the comparison with the labels overflows inside the jitted program.
         check_int32_ignore_index(loss.ignore_index, "JAX's labels are int32 without jax_enable_x64")
-    elif labels is not None and np.dtype(labels.dtype) == np.int32:  # type: ignore[attr-defined]
-        check_int32_ignore_index(loss.ignore_index, "the labels are int32")
     check_values(loss, arrays.get("labels"), arrays.get("target_indices"), shapes.v * vocab_shards)
     return shapes, loss, dataclasses.replace(run, backend=chosen.name)

@@ -183,10 +183,7 @@ def _validate(
         raise ValueError(
             f"backend: {backend!r} runs on one device; batch_group and vocab_group need 'triton' or 'torch'"
         )
-    labels = arrays.get("labels")
-    if chosen.name == "pallas" and labels is not None:
+    if chosen.name == "pallas" and arrays.get("labels") is not None:
         check_int32_ignore_index(loss.ignore_index, "backend 'pallas' hands the labels to JAX as int32")
-    elif labels is not None and labels.dtype == torch.int32:  # type: ignore[attr-defined]
-        check_int32_ignore_index(loss.ignore_index, "the labels are int32")
     wait = check_values(loss, arrays.get("labels"), arrays.get("target_indices"), shapes.v * shards)  # type: ignore[arg-type]
     return shapes, loss, dataclasses.replace(run, backend=chosen.name), wait
