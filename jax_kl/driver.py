@@ -60,7 +60,7 @@ def forward(
     n, h = x.shape
     v = weight.shape[0]
     v0, v_total = layout.vocab_start(v), v * layout.vocab_shards
-    plan = plan_chunks(n, v, x.dtype.itemsize, run.chunk_size, 1 + loss.teacher_head)
+    plan = plan_chunks(n, v, x.dtype.itemsize, run.chunk_size, loss.teacher_head)
     phases = phases_of(run.backend)
     in_place = in_place_grad_weight_of(run.backend)
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from fused_kl.loss import Loss
-from fused_kl.plan import CHUNK_BYTES, INT32_MAX, plan_chunks
+from fused_kl.plan import CHUNK_BYTES, INT32_MAX, TEACHER_BLOCK_BYTES, plan_chunks
 from fused_kl.rowmath import float16_unscale, reduction_scale, scales
 
 
@@ -19,14 +19,20 @@ from fused_kl.rowmath import float16_unscale, reduction_scale, scales
     "n, v, chunk_size",
     [(8192, 128256, None), (10, 7, 3), (1, 1, None), (5, 4099, 100), (0, 33, None), (17000, 128256, None)],
 )
-@pytest.mark.parametrize("buffers", [1, 2])
-def test_chunks_cover_the_rows_in_order(n: int, v: int, chunk_size: int | None, buffers: int) -> None:
-    plan = plan_chunks(n, v, 2, chunk_size, buffers)
+@pytest.mark.parametrize("teacher_head, blocks", [(False, False), (True, False), (True, True)])
+def test_chunks_cover_the_rows_in_order(
+    n: int, v: int, chunk_size: int | None, teacher_head: bool, blocks: bool
+) -> None:
+    plan = plan_chunks(n, v, 2, chunk_size, teacher_head, blocks)
     starts = [s for s, _ in plan.bounds]
     stops = [e for _, e in plan.bounds]
     assert starts == [0, *stops[:-1]][: len(starts)] and (stops[-1] if stops else 0) == n
     assert all(0 < e - s <= plan.chunk_rows for s, e in plan.bounds)
     assert plan.chunk_rows * v <= INT32_MAX  # in-chunk offsets fit in 32 bits
+    for start, stop in plan.bounds:  # each chunk's blocks cover it in order
+        rows = [r for a, b in plan.blocks(start, stop) for r in range(a, b)]
+        assert rows == list(range(start, stop))
+        assert all(0 < b - a <= plan.block_rows for a, b in plan.blocks(start, stop))
 
 
 def test_default_chunk_of_the_llama_head() -> None:
@@ -36,11 +42,23 @@ def test_default_chunk_of_the_llama_head() -> None:
 
 
 def test_a_teacher_head_halves_the_default_chunk() -> None:
-    """With a teacher head a chunk holds two ``[rows, V]`` buffers, within the same bytes."""
-    one, two = plan_chunks(8192, 128256, 2, None, 1), plan_chunks(8192, 128256, 2, None, 2)
-    assert two.chunk_rows == one.chunk_rows // 2 == 1536
+    """Made whole, a teacher head's logits share the chunk's bytes: half the rows, one block."""
+    one, two = plan_chunks(8192, 128256, 2, None), plan_chunks(8192, 128256, 2, None, True)
+    assert two.chunk_rows == one.chunk_rows // 2 == 1536 == two.block_rows
     assert 2 * two.chunk_rows * 128256 * 2 <= CHUNK_BYTES
-    assert plan_chunks(100, 50, 2, 7, 2).chunk_rows == 7  # an explicit chunk size is kept
+    assert plan_chunks(100, 50, 2, 7, True).chunk_rows == 7  # an explicit chunk size is kept
+
+
+def test_a_teacher_head_in_blocks_keeps_the_chunk() -> None:
+    """Made in blocks, a teacher head's logits leave the chunk its rows and take a third of them
+    on the llama-3 head: both buffers within 1 GiB."""
+    plan = plan_chunks(8192, 128256, 2, None, True, blocks=True)
+    assert plan.chunk_rows == 3072 and plan.block_rows == 1024
+    assert plan.block_rows * 128256 * 2 <= TEACHER_BLOCK_BYTES
+    assert (plan.chunk_rows + plan.block_rows) * 128256 * 2 < 2**30
+    assert plan.blocks(6144, 8192) == ((6144, 7168), (7168, 8192))
+    assert plan_chunks(100, 50, 2, 7, True, blocks=True).block_rows == 7  # capped by an explicit chunk size
+    assert plan_chunks(8192, 128256, 2, None, blocks=True).block_rows == 3072  # no teacher head: one block
 
 
 @pytest.mark.parametrize(

@@ -184,11 +184,41 @@ def test_auto_backend_on_cpu_is_torch() -> None:
 def test_jsd_module_honours_chunk_size(monkeypatch: pytest.MonkeyPatch) -> None:
     sizes = []
     plan_chunks = torch_kl.driver.plan_chunks
-    monkeypatch.setattr(torch_kl.driver, "plan_chunks", lambda *a: sizes.append(a[3]) or plan_chunks(*a))
+    monkeypatch.setattr(torch_kl.driver, "plan_chunks", lambda *a, **k: sizes.append(a[3]) or plan_chunks(*a, **k))
     inp = make_inputs(10, 4, 19, target_format="hidden")
     x, w, t, lab, _, teacher = _tensors(inp)
     torch_kl.FusedLinearJSDLoss(chunk_size=3, backend="torch")(x, w, t, teacher["teacher_weight"], lab)
     assert sizes == [3]
+
+
+@pytest.mark.parametrize(
+    "backend, dtype", [("torch/torch", "float32"), ("torch/triton", "float32"), ("torch/triton", "bfloat16")]
+)
+@pytest.mark.parametrize("beta", [0.0, 0.5])
+def test_teacher_head_in_blocks(monkeypatch: pytest.MonkeyPatch, backend: str, dtype: str, beta: float) -> None:
+    """A teacher head's logits made in blocks of 4 rows inside chunks of 10 (then 3): each
+    block's row phases run on its slice of the chunk, labels, ignored rows and hard term included
+    (in bfloat16 the Triton backend's own GEMM makes the blocks)."""
+    import fused_kl.plan
+    from torch_kl.backends import triton_logits
+
+    inp = make_inputs(23, 8, 40, dtype=dtype, target_format="hidden", bias=True, teacher_bias=True, ht=8)
+    monkeypatch.setattr(fused_kl.plan, "ROW_MULTIPLE", 4)
+    monkeypatch.setattr(fused_kl.plan, "TEACHER_BLOCK_BYTES", 5 * 40 * (4 if dtype == "float32" else 2))
+    blocks, gemms = [], []
+    plan_chunks, plain_logits = torch_kl.driver.plan_chunks, triton_logits.plain_logits
+
+    def plan(*args, **kwargs):
+        made = plan_chunks(*args, **kwargs)
+        blocks.append(made.block_rows)
+        return made
+
+    monkeypatch.setattr(torch_kl.driver, "plan_chunks", plan)
+    monkeypatch.setattr(triton_logits, "plain_logits", lambda *a: gemms.append(plain_logits(*a)) or gemms[-1])
+    options = dict(chunk_size=10, beta=beta, weight_hard_loss=0.3, weight_soft_loss=0.7)
+    assert_matches(run(backend, inp, **options), inp, **options)
+    assert blocks == [4]
+    assert gemms == ([] if backend == "torch/torch" else [dtype == "bfloat16"] * 7)  # 3 + 3 + 1 blocks
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,7 @@ from fused_kl.options import RunOptions
 from fused_kl.plan import plan_chunks
 
 from . import teachers
-from .backends import factored_of, fused_logits_of, phases_of
+from .backends import factored_of, fused_logits_of, phases_of, plain_logits_of
 from .layout import Layout
 from .ops import OPS
 from .teachers import TeacherArrays
@@ -178,35 +178,41 @@ def forward(
     n = x.shape[0]
     v, dev = weight.shape[0], x.device
     v0, v_total = layout.vocab_start(v), v * layout.vocab_shards
-    plan = plan_chunks(n, v, x.element_size(), run.chunk_size, 1 + loss.teacher_head)
+    plan = plan_chunks(n, v, x.element_size(), run.chunk_size, loss.teacher_head, blocks=True)
     phases = phases_of(run.backend)
 
     rows = plan.chunk_rows if n else 0
     buf = torch.empty(rows, v, dtype=x.dtype, device=dev)  # logits, then dL/dz in place
-    t_buf = torch.empty(rows, v, dtype=teacher.target.dtype, device=dev) if loss.teacher_head else None
+    t_buf = torch.empty(plan.block_rows, v, dtype=teacher.target.dtype, device=dev) if loss.teacher_head else None
     fused_logits, factored = fused_logits_of(run.backend), factored_of(run.backend)
+    plain_logits = plain_logits_of(run.backend)
 
     def logits(start: int, stop: int) -> tuple:
-        """The chunk's GEMMs (the teacher head's, then the student's), which read no label nor
-        token id: ``(teacher chunk, E's (stats, tiles) if factored, stats if the GEMM made
-        them)``; ``stats(y_local)`` completes the statistics, reading the labels."""
+        """The chunk's logits GEMM, which reads no label nor token id: ``(E's (stats, tiles) if
+        factored, stats if the GEMM made them)``; ``stats(y_local)`` completes the statistics,
+        reading the labels."""
         xc, z = x[start:stop], buf[: stop - start]
-        t = teachers.dense_chunk(loss, teacher, start, stop, t_buf)
         exp = None if factored is None else factored.exp_logits(xc, weight, bias, loss, z)
         if exp is not None:
-            return t, exp, None
+            return exp, None
         stats = None if fused_logits is None else fused_logits(xc, weight, bias, loss, z)
         if stats is None:  # the backend has no fused logits GEMM, or not for these operands
             if bias is None:
                 torch.mm(xc, weight.t(), out=z)
             else:
                 torch.addmm(bias, xc, weight.t(), out=z)
-        return t, None, stats
+        return exp, stats
 
-    # The first chunk's GEMMs are queued before the host waits for the eager value check
-    # (``ready``) and before the call's small setup kernels: the GPU runs them meanwhile
-    # instead of idling until the host launches its next kernel.
-    first = logits(*plan.bounds[0]) if plan.bounds else None
+    def teacher_block(start: int, stop: int) -> torch.Tensor | None:
+        return teachers.dense_chunk(loss, teacher, start, stop, t_buf, plain_logits)
+
+    # The first chunk's GEMMs (its first teacher block's, then the student's) are queued before
+    # the host waits for the eager value check (``ready``) and before the call's small setup
+    # kernels: the GPU runs them meanwhile instead of idling until the host launches its next kernel.
+    first = None
+    if plan.bounds:
+        first_block = plan.blocks(*plan.bounds[0])[0]
+        first = teacher_block(*first_block), logits(*plan.bounds[0])
     if ready is not None:
         ready()
     keep = torch.ones(n, dtype=torch.bool, device=dev) if labels is None else labels != loss.ignore_index
@@ -216,7 +222,7 @@ def forward(
     row_loss = torch.empty(n, dtype=torch.float32, device=dev)
     for start, stop in plan.bounds:
         xc, z = x[start:stop], buf[: stop - start]
-        t, exp, stats = first if start == 0 else logits(start, stop)
+        t_first, (exp, stats) = first if start == 0 else (None, logits(start, stop))
         y = None if labels is None else labels[start:stop]
         y_local = local_labels(y, v0, loss)
         topk = None if teacher.indices is None else (teacher.target[start:stop], teacher.indices[start:stop])
@@ -225,8 +231,16 @@ def forward(
                                                    v0, grads, start, weights, loss, layout, v_total)  # fmt: skip
             continue
         local_stats = None if stats is None else stats(y_local)
-        _, row_loss[start:stop] = row_phases(z, t, y, keep[start:stop], topk, v0, v_total, weights, loss, layout,
-                                             phases, plan.tile, needs.any, OPS, local_stats)  # fmt: skip
+        # One block unless a teacher head: its logits are made a block at a time, each block's
+        # row phases done (dL/dz written over z) before the next block's GEMM overwrites them.
+        for a, b in plan.blocks(start, stop):
+            at = slice(a - start, b - start)
+            t = t_first if a == 0 else teacher_block(a, b)
+            _, row_loss[a:b] = row_phases(
+                z[at], t, None if y is None else y[at], keep[a:b], None if topk is None else (topk[0][at], topk[1][at]),
+                v0, v_total, weights, loss, layout, phases, plan.tile, needs.any, OPS,
+                None if local_stats is None else local_stats[at],
+            )  # fmt: skip
         if grads.x is not None:
             torch.mm(z, weight, out=grads.x[start:stop])
         if grads.weight is not None:

@@ -7,6 +7,7 @@ handled around the row kernel (``fused_kl.rowmath.topk``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -24,14 +25,20 @@ class TeacherArrays:
     indices: torch.Tensor | None = None
 
 
-def dense_chunk(loss: Loss, arrays: TeacherArrays, start: int, stop: int, buf: torch.Tensor | None):
-    """The chunk's dense ``[rows, V]`` teacher (a view, or the head's logits in ``buf``), or None."""
+def dense_chunk(
+    loss: Loss, arrays: TeacherArrays, start: int, stop: int, buf: torch.Tensor | None, gemm: Callable | None = None
+):
+    """The rows' dense ``[rows, V]`` teacher (a view, or the head's logits in ``buf``), or None.
+    ``gemm(x, weight, bias, out)``, a backend's logits GEMM, makes the head's logits if it
+    takes the operands (returns True); else cuBLAS does."""
     if loss.teacher is None or loss.teacher.dense_format is None or not loss.soft:
         return None
     rows = arrays.target[start:stop]  # type: ignore[index]
     if loss.teacher.format != "hidden":
         return rows
     out = buf[: stop - start]  # type: ignore[index]
+    if gemm is not None and gemm(rows, arrays.weight, arrays.bias, out):
+        return out
     if arrays.bias is None:
         return torch.mm(rows, arrays.weight.t(), out=out)  # type: ignore[union-attr]
     return torch.addmm(arrays.bias, rows, arrays.weight.t(), out=out)  # type: ignore[union-attr]

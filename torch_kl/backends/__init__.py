@@ -117,6 +117,15 @@ def fused_logits_of(name: str) -> Callable | None:
     return logits_with_stats
 
 
+def plain_logits_of(name: str) -> Callable | None:
+    """The backend's logits GEMM with nothing in its epilogue (a teacher head's), if it has one."""
+    if not REGISTRY[name].fused_logits:
+        return None
+    from .triton_logits import plain_logits
+
+    return plain_logits
+
+
 def factored_of(name: str) -> ModuleType | None:
     """The backend's module for chunks whose ``dL/dz`` is a row scale of the exponentials its
     logits GEMM writes plus a few entries a row (``triton_factored``), if it has one."""

@@ -16,6 +16,8 @@ GEMM's main loop, exposed, and on the H200 that cost as much as the ``stats`` ke
 saves; the teacher head's log-sum-exp in its own GEMM's epilogue was a wash too
 (benchmarks/RESULTS-2026-12-01-factored.md).
 
+The same GEMM with nothing in its epilogue (:func:`plain_logits`) makes a teacher head's logits.
+
 On Hopper the tiles move by TMA (tensor descriptors); elsewhere (the CPU interpreter's tests)
 by masked pointer loads. Inputs the kernel does not take get ``None`` back, and the caller runs
 cuBLAS and the ``stats`` kernel.
@@ -74,7 +76,7 @@ def _tile_lse(f, c):
 @triton.jit
 def _logits_kernel(
     x, w, z, bias_ptr, part_ptr, M, V, K, inv_t, scale, cap,
-    CAPPED: tl.constexpr, SUM_F: tl.constexpr, EXP: tl.constexpr,
+    CAPPED: tl.constexpr, SUM_F: tl.constexpr, EXP: tl.constexpr, STATS: tl.constexpr,
     HARD_LSE: tl.constexpr, HAS_BIAS: tl.constexpr, TMA: tl.constexpr, F16: tl.constexpr, UPCAST: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr, NPROG: tl.constexpr,
 ):  # fmt: skip
@@ -122,7 +124,7 @@ def _logits_kernel(
         if EXP:
             tl.store(out, tile_lse, mask=live)
             tl.store(out + part_stride, tile_max, mask=live)
-        else:
+        elif STATS:
             if CAPPED:
                 f = transform(zq.to(tl.float32), scale, cap, CAPPED)
                 c = 1.0
@@ -165,9 +167,10 @@ def fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, z: to
 
 
 def launch(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, loss: Loss, z: torch.Tensor, exp: bool
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, loss: Loss | None, z: torch.Tensor, exp: bool
 ) -> tuple[torch.Tensor, int]:
-    """Run the kernel; ``(the column tiles' partial statistics [PARTS, tiles, rows], tile width)``."""
+    """Run the kernel; ``(the column tiles' partial statistics [PARTS, tiles, rows], tile width)``.
+    Without a ``loss`` the epilogue only stores the logits (the partials are left unwritten)."""
     (m, k), v = x.shape, weight.shape[0]
     interpreted = _interpreted(x.device)
     cfg = dict(INTERPRET_CONFIG if interpreted else GPU_CONFIG)
@@ -184,14 +187,16 @@ def launch(
                     TensorDescriptor.from_tensor(z, [bm, bn]))  # fmt: skip
     else:
         operands = (x, weight, z)
-    common = kernel_floats(loss)
-    parts = torch.empty(PARTS, triton.cdiv(v, bn), m, dtype=torch.float32, device=x.device)
+    stats = loss is not None
+    common = kernel_floats(loss) if stats else dict(inv_t=1.0, scale=1.0, cap=1.0, CAPPED=False)
+    shape = (PARTS, triton.cdiv(v, bn), m) if stats else (1,)
+    parts = torch.empty(shape, dtype=torch.float32, device=x.device)
     _logits_kernel[(programs,)](
         # exp: the exponent is the soft term's f / T with a (top-k) teacher, the hard term's f without
-        *operands, z if bias is None else bias, parts, m, v, k, common["inv_t"] if loss.soft or not exp else 1.0,
-        common["scale"], common["cap"],
-        CAPPED=common["CAPPED"], SUM_F=_sums_f(loss), EXP=exp,
-        HARD_LSE=loss.separate_hard_lse, HAS_BIAS=bias is not None,
+        *operands, z if bias is None else bias, parts, m, v, k,
+        common["inv_t"] if not stats or loss.soft or not exp else 1.0, common["scale"], common["cap"],
+        CAPPED=common["CAPPED"], SUM_F=stats and _sums_f(loss), EXP=exp, STATS=stats,
+        HARD_LSE=stats and loss.separate_hard_lse, HAS_BIAS=bias is not None,
         TMA=tma, F16=x.dtype == torch.float16, UPCAST=bf16_interpreted, BM=bm, BN=bn, BK=bk, NPROG=programs, **cfg,
     )  # fmt: skip
     return parts, bn
@@ -212,6 +217,16 @@ def logits_with_stats(
         return None
     parts = launch(x, weight, bias, loss, z, exp=False)[0]
     return lambda y: _combine(parts, z, y, loss)
+
+
+def plain_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, z: torch.Tensor) -> bool:
+    """Write ``x W^T (+ bias)`` into ``z`` with the same GEMM and nothing else in its epilogue
+    (a teacher head's logits: on the H200 it ran a 1024-row block of them faster than cuBLAS,
+    benchmarks/RESULTS.md); False, ``z`` untouched, where it does not take the operands."""
+    if not fits(x, weight, bias, z):
+        return False
+    launch(x, weight, bias, None, z, exp=False)
+    return True
 
 
 def _sums_f(loss: Loss) -> bool:
