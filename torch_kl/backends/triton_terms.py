@@ -5,7 +5,7 @@ At HBM speed the row passes are bound by their arithmetic, so it is kept short. 
 at run time (one compiled kernel serves every temperature) and the compiler cannot fold them: the
 kernels fold them themselves and work in base 2 (``log2 q = c z - lse2``, one FMA before an
 ``exp2``). ``tl.log`` expands to about thirty instructions; :func:`fast_log` is the hardware's
-approximate ``lg2`` (two), within float32's rounding of the result (benchmarks/RESULTS.md).
+approximate ``lg2`` (two), within float32's rounding of the result (benchmarks/RESULTS-2026-12-01-rowmath.md).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ framing: the student's exponents ``a = f(z) / T`` at the teacher's tokens read f
 (``triton_factored.exponents_at``), then per row the masses ``P``, ``Q``, the tail,
 the soft loss, the dense factor ``K`` and ``dL/dz`` at the tokens. In torch's eager mode that
 chain is about eighty small kernels a chunk; here it is one program a row (at N = 8192 on the
-H200, 0.35 ms a step less GPU time; benchmarks/RESULTS.md).
+H200, 0.35 ms a step less GPU time; benchmarks/RESULTS-2026-12-01-topk.md).
 
 It takes the chunks ``triton_factored`` takes (uncapped logits, no label smoothing, the hard term
 only at ``T = 1``) whose vocabulary is not split across devices: ``Q`` is then the row's own sum,
