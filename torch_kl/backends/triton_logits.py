@@ -187,17 +187,19 @@ def launch(
                     TensorDescriptor.from_tensor(z, [bm, bn]))  # fmt: skip
     else:
         operands = (x, weight, z)
-    stats = loss is not None
-    common = kernel_floats(loss) if stats else dict(inv_t=1.0, scale=1.0, cap=1.0, CAPPED=False)
-    shape = (PARTS, triton.cdiv(v, bn), m) if stats else (1,)
-    parts = torch.empty(shape, dtype=torch.float32, device=x.device)
-    _logits_kernel[(programs,)](
+    if loss is None:  # the logits alone: no epilogue floats nor partials
+        floats, flags = (1.0, 1.0, 1.0), dict(CAPPED=False, SUM_F=False, HARD_LSE=False)
+        parts = torch.empty(1, dtype=torch.float32, device=x.device)
+    else:
+        common = kernel_floats(loss)
         # exp: the exponent is the soft term's f / T with a (top-k) teacher, the hard term's f without
-        *operands, z if bias is None else bias, parts, m, v, k,
-        common["inv_t"] if not stats or loss.soft or not exp else 1.0, common["scale"], common["cap"],
-        CAPPED=common["CAPPED"], SUM_F=stats and _sums_f(loss), EXP=exp, STATS=stats,
-        HARD_LSE=stats and loss.separate_hard_lse, HAS_BIAS=bias is not None,
-        TMA=tma, F16=x.dtype == torch.float16, UPCAST=bf16_interpreted, BM=bm, BN=bn, BK=bk, NPROG=programs, **cfg,
+        floats = (common["inv_t"] if loss.soft or not exp else 1.0, common["scale"], common["cap"])
+        flags = dict(CAPPED=common["CAPPED"], SUM_F=_sums_f(loss), HARD_LSE=loss.separate_hard_lse)
+        parts = torch.empty(PARTS, triton.cdiv(v, bn), m, dtype=torch.float32, device=x.device)
+    _logits_kernel[(programs,)](
+        *operands, z if bias is None else bias, parts, m, v, k, *floats, **flags, EXP=exp, STATS=loss is not None,
+        HAS_BIAS=bias is not None, TMA=tma, F16=x.dtype == torch.float16, UPCAST=bf16_interpreted,
+        BM=bm, BN=bn, BK=bk, NPROG=programs, **cfg,
     )  # fmt: skip
     return parts, bn
 
