@@ -48,11 +48,10 @@ def topk_part(
     logits_at: Callable[[Any, Any], Any],
     topk: tuple[Any, Any],
     y: Any | None,
-    keep: Any,
+    scales: tuple[Any, Any],
     v0: Any,
     v_local: int,
     stats: Any,
-    weights: tuple[Any, Any, Any],
     loss: Loss,
     v_total: int,
     layout: Any,
@@ -61,13 +60,13 @@ def topk_part(
     """The top-k teacher's ``[rows, k]`` part of a chunk (``rowmath.topk``): ``(soft loss per
     row, dense factor K, columns at, dL/dz there, where to write it)``. ``logits_at(at, local)``
     gives the student's raw logits at the columns ``at`` of this vocabulary slice of ``v_local``
-    columns, valid where ``local``; ``stats`` are the rows' combined ``STATS``."""
+    columns, valid where ``local``; ``stats`` are the rows' combined ``STATS``, ``scales`` their
+    ``rowmath.row_scales``."""
     xp = ops.xp
     log_p, idx = topk
     local = (idx >= v0) & (idx < v0 + v_local)
     at = xp.where(local, idx - v0, 0)
     is_label = idx == y[:, None] if loss.hard else False
-    scales = rowmath.row_scales(keep, weights, loss, xp)
     soft, k, g_at = rowmath.topk(
         logits_at(at, local), local, ops.f32(log_p), is_label, (stats[:, 0], stats[:, 1]), scales, loss, v_total,
         layout.vocab_sum, xp,
@@ -83,6 +82,7 @@ def row_phases(
     t: Any,
     y: Any | None,
     keep: Any,
+    scales: tuple[Any, Any],
     topk: tuple[Any, Any] | None,
     v0: Any,
     v_total: int,
@@ -96,7 +96,9 @@ def row_phases(
     local_stats: Any | None = None,
 ) -> tuple[Any | None, Any]:
     """``(dL/dz or None, row losses)`` of a chunk of logits ``z``: ``t`` its dense teacher (or
-    None), ``y`` its labels, ``keep`` its kept-row mask, ``topk`` its ``(log-probs, token ids)``;
+    None), ``y`` its labels, ``keep`` its kept-row mask and ``scales`` its ``rowmath.row_scales``
+    (made once per call: per chunk they would be a few more small kernels each), ``topk`` its
+    ``(log-probs, token ids)``;
     ``local_stats``: the ``stats`` phase's result when the logits GEMM already made it."""
     xp = ops.xp
     y_local = local_labels(y, v0, loss)
@@ -112,9 +114,9 @@ def row_phases(
     topk_const = None
     if topk is not None:
         soft, topk_const, at, g_at, write = topk_part(
-            lambda at, _: ops.gather(z, at), topk, y, keep, v0, z.shape[1], stats, weights, loss, v_total, layout, ops
+            lambda at, _: ops.gather(z, at), topk, y, scales, v0, z.shape[1], stats, loss, v_total, layout, ops
         )
-    coefs = rowmath.coefficients(stats, keep, value_sums, topk_const, weights, loss, xp)
+    coefs = rowmath.coefficients(stats, scales, value_sums, topk_const, loss, xp)
     if topk is not None and write_grad:
         z, g_at = ops.settle(z, g_at)
     g = partial = None

@@ -115,26 +115,24 @@ def row_scales(keep: Any, weights: tuple[Any, Any, Any], loss: Loss, xp: Any) ->
 
 def coefficients(
     stats: Any,
-    keep: Any,
+    scales: tuple[Any, Any],
     value_sums: Any | None,
     topk_const: Any | None,
-    weights: tuple[Any, Any, Any],
     loss: Loss,
     xp: Any,
 ) -> Any:
-    """``COEFS`` per row, from the combined ``STATS``, the kept-row mask, the value sums
-    (reverse KL: ``R``, :func:`reverse_sums`; JSD: phase 2's ``B``) and the top-k dense factor."""
+    """``COEFS`` per row, from the combined ``STATS``, the rows' :func:`row_scales`, the value
+    sums (reverse KL: ``R``, :func:`reverse_sums`; JSD: phase 2's ``B``) and the top-k dense factor."""
     kind = loss.kind
     if kind == "forward":
-        k = stats[:, 3] if loss.teacher.dense_format != "logits" else stats[:, 3] * 0.0 + 1.0  # type: ignore[union-attr]
+        k = stats[:, 3] if loss.teacher.dense_format != "logits" else xp.ones_like(stats[:, 3])  # type: ignore[union-attr]
     elif kind == "reverse":
         k = value_sums[:, 0]
     elif kind == "jsd":
         k = value_sums[:, 1]
     else:
-        k = stats[:, 3] * 0.0 if topk_const is None else topk_const
-    soft_scale, hard_scale = row_scales(keep, weights, loss, xp)
-    return xp.stack([stats[:, 0], stats[:, 1], stats[:, 2], k, soft_scale, hard_scale], -1)
+        k = xp.zeros_like(stats[:, 3]) if topk_const is None else topk_const
+    return xp.stack([stats[:, 0], stats[:, 1], stats[:, 2], k, *scales], -1)
 
 
 def row_losses(

@@ -67,6 +67,7 @@ def forward(
     keep = jnp.ones(n, bool) if labels is None else labels != loss.ignore_index
     kept = layout.batch_sum(jnp.sum(keep, dtype=jnp.float32))
     weights = rowmath.scales(kept, loss, v_total, x.dtype == jnp.float16, jnp)
+    scales = rowmath.row_scales(keep, weights, loss, jnp)
     accum = jnp.dtype(run.accum_dtype) if run.accum_dtype else weight.dtype
     row_losses, grad_x_rows = [], []
     grad_w = grad_b = None  # the first chunk's GEMM writes the accumulators: no [V, H] zero fill
@@ -82,8 +83,8 @@ def forward(
         t = teachers.dense_chunk(loss, teacher, start, hidden)
         y = None if labels is None else labels[start:stop]
         topk = None if teacher.indices is None else (teacher.target[start:stop], teacher.indices[start:stop])
-        g, row_loss = row_phases(z, t, y, keep[start:stop], topk, v0, v_total, weights, loss, layout, phases,
-                                 plan.tile, with_grads, OPS)  # fmt: skip
+        g, row_loss = row_phases(z, t, y, keep[start:stop], tuple(s[start:stop] for s in scales), topk, v0, v_total,
+                                 weights, loss, layout, phases, plan.tile, with_grads, OPS)  # fmt: skip
         row_losses.append(row_loss)
         done = row_loss
         if with_grads:

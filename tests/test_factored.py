@@ -253,7 +253,7 @@ def test_the_topk_kernel_is_the_shared_topk_part(tail, temperature, hard, scale)
     weights = rowmath.scales(keep.sum(dtype=torch.float32), loss, v, False, torch)
     scales = rowmath.row_scales(keep, weights, loss, torch)
     want = topk_part(lambda at, inside: triton_factored.logits_at(z, tiles, at, inside, x, w, loss), (t, idx),
-                     y if hard else None, keep, 0, v, stats, weights, loss, v, Layout(), OPS)  # fmt: skip
+                     y if hard else None, scales, 0, v, stats, loss, v, Layout(), OPS)  # fmt: skip
     got = triton_topk.topk_part(z, tiles, (t, idx), y if hard else None, stats, scales, x, w, loss)
     for name, a, b in zip(("soft", "K", "at", "dL/dz", "write"), got, want, strict=True):
         b = torch.as_tensor(b).expand_as(a)

@@ -112,15 +112,15 @@ def _allocate(x, weight, needs: Needs, run: RunOptions, has_chunks: bool, out: d
 
 
 def _factored_chunk(
-    factored, exp: tuple, z, xc, weight, y, y_local, keep, topk, v0: int, grads: Grads, start: int, weights,
-    loss: Loss, layout, v_total: int,
+    factored, exp: tuple, z, xc, weight, y, y_local, keep, scales, topk, v0: int, grads: Grads, start: int,
+    weights, loss: Loss, layout, v_total: int,
 ) -> torch.Tensor:  # fmt: skip
     """The rows' losses of a chunk whose logits GEMM wrote ``E`` (``exp``: ``exp_logits``'s
     ``(stats, tiles)``, ``backends/triton_factored``), and its gradients:
     ``grad_x = diag(alpha) (E W)``, ``grad_W += E^T (diag(alpha) x)``."""
     local_stats, tiles = exp
     stats = layout.combine_stats(local_stats(y_local))
-    c_soft, c_hard = rowmath.row_scales(keep, weights, loss, torch)
+    c_soft, c_hard = scales
     soft, sparse, beta = None, None, c_hard
     if topk is not None:  # the student's logits at the teacher's tokens come from E
         if layout.vocab_group is None:  # the whole part in one kernel (its module docstring)
@@ -130,7 +130,7 @@ def _factored_chunk(
         else:  # a collective between its sums
             soft, k, at, g_at, write = topk_part(
                 lambda at, inside: factored.logits_at(z, tiles, at, inside, xc, weight, loss),
-                topk, y, keep, v0, z.shape[1], stats, weights, loss, v_total, layout, OPS,
+                topk, y, scales, v0, z.shape[1], stats, loss, v_total, layout, OPS,
             )  # fmt: skip
         beta = c_soft * k + (c_hard if loss.hard else 0.0)
         sparse = (at, g_at, write)
@@ -144,6 +144,10 @@ def _factored_chunk(
     if grads.weight is not None:
         _accumulate(grads.weight, z.t(), factored.scale_rows(xc, alpha, torch.empty_like(xc)), first=start == 0)
     return losses
+
+
+def _rows(pair: tuple[torch.Tensor, torch.Tensor], start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return pair[0][start:stop], pair[1][start:stop]
 
 
 def _cast_into(value: torch.Tensor, dest: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
@@ -218,6 +222,7 @@ def forward(
     keep = torch.ones(n, dtype=torch.bool, device=dev) if labels is None else labels != loss.ignore_index
     kept = layout.batch_sum(keep.sum(dtype=torch.float32))
     weights = rowmath.scales(kept, loss, v_total, x.dtype == torch.float16, torch)
+    scales = rowmath.row_scales(keep, weights, loss, torch)
     grads = _allocate(x, weight, needs, run, bool(plan.bounds), out)
     row_loss = torch.empty(n, dtype=torch.float32, device=dev)
     for start, stop in plan.bounds:
@@ -227,8 +232,9 @@ def forward(
         y_local = local_labels(y, v0, loss)
         topk = None if teacher.indices is None else (teacher.target[start:stop], teacher.indices[start:stop])
         if exp is not None:
-            row_loss[start:stop] = _factored_chunk(factored, exp, z, xc, weight, y, y_local, keep[start:stop], topk,
-                                                   v0, grads, start, weights, loss, layout, v_total)  # fmt: skip
+            row_loss[start:stop] = _factored_chunk(factored, exp, z, xc, weight, y, y_local, keep[start:stop],
+                                                   _rows(scales, start, stop), topk, v0, grads, start, weights, loss,
+                                                   layout, v_total)  # fmt: skip
             continue
         local_stats = None if stats is None else stats(y_local)
         # One block unless a teacher head: its logits are made a block at a time, each block's
@@ -237,7 +243,8 @@ def forward(
             at = slice(a - start, b - start)
             t = t_first if a == 0 else teacher_block(a, b)
             _, row_loss[a:b] = row_phases(
-                z[at], t, None if y is None else y[at], keep[a:b], None if topk is None else (topk[0][at], topk[1][at]),
+                z[at], t, None if y is None else y[at], keep[a:b], _rows(scales, a, b),
+                None if topk is None else (topk[0][at], topk[1][at]),
                 v0, v_total, weights, loss, layout, phases, plan.tile, needs.any, OPS,
                 None if local_stats is None else local_stats[at],
             )  # fmt: skip

@@ -283,11 +283,14 @@ def stats(
     out = torch.empty(rows, len(rowmath.STATS), dtype=torch.float32, device=z.device)
     if rows:
         teacher = t is not None
+        fmt, rev = _format(loss, t), teacher and loss.kind == "reverse"
+        if fmt == LOGITS and not rev:  # two log-sum-exps a column: half-height tiles ran 12 % faster (H200)
+            tile = (max(tile[0] // 2, 1), tile[1])
         _stats_kernel[(rows,)](
             z, z.stride(0), *_teacher_args(z, t), out if y is None else y, out, v, **kernel_floats(loss),
-            eps=loss.teacher.eps if teacher else 1e-10, FORMAT=_format(loss, t), HARD=y is not None,
+            eps=loss.teacher.eps if teacher else 1e-10, FORMAT=fmt, HARD=y is not None,
             HARD_LSE=loss.separate_hard_lse, MASS=teacher and loss.kind == "forward" and not loss.teacher.has_logits,
-            REV=teacher and loss.kind == "reverse", **_launch(tile),
+            REV=rev, **_launch(tile),
         )  # fmt: skip
     return out
 
