@@ -146,10 +146,6 @@ def _factored_chunk(
     return losses
 
 
-def _rows(pair: tuple[torch.Tensor, torch.Tensor], start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return pair[0][start:stop], pair[1][start:stop]
-
-
 def _cast_into(value: torch.Tensor, dest: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     """``value`` in ``dtype``, written into ``dest`` when one is given (a no-op if it is ``dest``)."""
     if dest is None:
@@ -233,8 +229,8 @@ def forward(
         topk = None if teacher.indices is None else (teacher.target[start:stop], teacher.indices[start:stop])
         if exp is not None:
             row_loss[start:stop] = _factored_chunk(factored, exp, z, xc, weight, y, y_local, keep[start:stop],
-                                                   _rows(scales, start, stop), topk, v0, grads, start, weights, loss,
-                                                   layout, v_total)  # fmt: skip
+                                                   tuple(s[start:stop] for s in scales), topk, v0, grads, start,
+                                                   weights, loss, layout, v_total)  # fmt: skip
             continue
         local_stats = None if stats is None else stats(y_local)
         # One block unless a teacher head: its logits are made a block at a time, each block's
@@ -243,7 +239,7 @@ def forward(
             at = slice(a - start, b - start)
             t = t_first if a == 0 else teacher_block(a, b)
             _, row_loss[a:b] = row_phases(
-                z[at], t, None if y is None else y[at], keep[a:b], _rows(scales, a, b),
+                z[at], t, None if y is None else y[at], keep[a:b], tuple(s[a:b] for s in scales),
                 None if topk is None else (topk[0][at], topk[1][at]),
                 v0, v_total, weights, loss, layout, phases, plan.tile, needs.any, OPS,
                 None if local_stats is None else local_stats[at],
