@@ -176,6 +176,18 @@ def test_bench_quick_writes_table_json_and_plot(tmp_path, mode: str) -> None:
     assert matplotlib.image.imread(tmp_path / "bench.png").shape[0] > 100
 
 
+def test_bench_timing_budgets_come_from_the_flags() -> None:
+    from benchmarks import bench
+    from benchmarks.impls import build
+    from benchmarks.measure import Timing
+
+    impls = build()
+    assert bench.parse_args([], impls).timing == bench.DEFAULTS["timing"]
+    assert bench.parse_args(["--quick"], impls).timing == bench.QUICK_DEFAULTS["timing"]
+    given = bench.parse_args(["--reps", "3", "--rep-ms", "5", "--warmup-ms", "7"], impls)
+    assert given.timing == Timing(3, 5.0, 7.0)
+
+
 def test_interleave_quick_writes_table_and_plot(tmp_path, capsys) -> None:
     from benchmarks import interleave
 
