@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from torch_problems import DEVICE, check, init, problem, rows_of, run, vocab_of, vocab_slice
+from torch_problems import DEVICE, check, finish, init, problem, rows_of, run, vocab_of, vocab_slice
 
 CASES: dict[str, Callable[..., None]] = {}
 MATRIX = [
@@ -84,7 +84,7 @@ def main() -> None:
             results[name] = traceback.format_exc()
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
-    dist.destroy_process_group()
+    finish()
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ head gradients, the vocabulary layout directly (every rank holds the full loss a
 from __future__ import annotations
 
 import os
+import sys
 
 import numpy as np
 import torch
@@ -80,6 +81,15 @@ def init(rank: int, world: int, store: str) -> None:
     torch.distributed.init_process_group(
         "nccl", init_method=f"file://{store}", rank=rank, world_size=world, device_id=torch.device("cuda", rank)
     )
+
+
+def finish() -> None:
+    """Tear the group down and leave without the interpreter's teardown, which can abort a gloo
+    rank after a complete run (``benchmarks/scaling_torch.py``'s did, twice in CI)."""
+    torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run(p: dict, options: dict, *, fn=None, **layout) -> tuple[float, dict[str, torch.Tensor]]:

@@ -15,7 +15,7 @@ import traceback
 from collections.abc import Callable
 
 import torch
-from torch_problems import DENSE, DEVICE, check, init, problem, rows_of, run, vocab_of, vocab_slice
+from torch_problems import DENSE, DEVICE, check, finish, init, problem, rows_of, run, vocab_of, vocab_slice
 
 import torch_kl
 
@@ -220,7 +220,7 @@ def main() -> None:
             results[name] = traceback.format_exc()
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
-    torch.distributed.destroy_process_group()
+    finish()
 
 
 if __name__ == "__main__":
