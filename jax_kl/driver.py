@@ -69,13 +69,19 @@ def forward(
     weights = rowmath.scales(kept, loss, v_total, x.dtype == jnp.float16, jnp)
     scales = rowmath.row_scales(keep, weights, loss, jnp)
     accum = jnp.dtype(run.accum_dtype) if run.accum_dtype else weight.dtype
-    row_losses, grad_x_rows = [], []
+    row_losses = []
+    # Each chunk's rows of grad_x are written into one [N, H] buffer, as torch_kl's driver does:
+    # products gathered by a concatenation at the end would all live beside its result.
+    grad_x = jnp.zeros_like(x) if with_grads else None
     grad_w = grad_b = None  # the first chunk's GEMM writes the accumulators: no [V, H] zero fill
     done = kept  # what the previous chunk produced last
     for start, stop in plan.bounds:
         # Start a chunk only once the previous one is done, so XLA cannot hoist the
-        # logits GEMMs and keep several [chunk, V] buffers alive at once.
-        (xc, hidden), _ = lax.optimization_barrier(((x[start:stop], _hidden_rows(loss, teacher, start, stop)), done))
+        # logits GEMMs and keep several [chunk, V] buffers alive at once. grad_x passes the
+        # barrier too: its update in place is then ordered after the previous chunk's.
+        (xc, hidden, grad_x), _ = lax.optimization_barrier(
+            ((x[start:stop], _hidden_rows(loss, teacher, start, stop), grad_x), done)
+        )
         if bias is None:
             z = dot(xc, weight, (1, 1), x.dtype)
         else:
@@ -88,15 +94,14 @@ def forward(
         row_losses.append(row_loss)
         done = row_loss
         if with_grads:
-            grad_x_rows.append(dot(g, weight, (1, 0), x.dtype))
+            grad_x = lax.dynamic_update_slice(grad_x, dot(g, weight, (1, 0), x.dtype), (start, 0))
             grad_w = _add_grad_weight(grad_w, g, xc, accum, in_place)
             grad_b = _add(grad_b, jnp.sum(g, axis=0, dtype=jnp.float32))
-            done = (grad_x_rows[-1], grad_w, grad_b)
+            done = (grad_w, grad_b)  # grad_x passes the next barrier itself
 
     total = jnp.sum(jnp.concatenate(row_losses)) if row_losses else jnp.float32(0.0)
     if not with_grads:
         return total, None, None, None
-    grad_x = jnp.concatenate(grad_x_rows) if grad_x_rows else jnp.zeros_like(x)
     if grad_w is None:  # no rows
         grad_w, grad_b = jnp.zeros((v, h), accum), jnp.zeros((v,), jnp.float32)
 

@@ -282,7 +282,8 @@ def test_memcheck_clean_on_the_triton_kernel(tmp_path):
 
 
 def test_pallas_temporaries_stay_flat_in_n():
-    """The compiled forward+backward holds no [N, V] temporary, and its temporaries do not grow with N."""
+    """The compiled forward+backward holds no [N, V] temporary, and its temporaries do not grow with N:
+    not even by the chunks' ``grad_x`` rows, which are written into the output in place."""
     import jax.numpy as jnp
 
     import jax_kl
@@ -294,7 +295,7 @@ def test_pallas_temporaries_stay_flat_in_n():
         f = jax.jit(jax.value_and_grad(lambda x, w, t: jax_kl.fused_linear_kl_div(x, w, t), argnums=(0, 1)))
         temps[n] = f.lower(*spec).compile().memory_analysis().temp_size_in_bytes
     assert temps[16384] < n * v * 2 / 2, temps
-    assert temps[16384] <= temps[8192] * 1.1, temps
+    assert temps[16384] - temps[8192] < 8192 * h * 2 / 2, temps  # under half the added [8192, H] bf16 rows
 
 
 def test_rescale_multiplies_in_float32():
