@@ -7,7 +7,8 @@ so a missing one (or a compile error) costs that row alone; a factory raises :cl
 it has no version of the mode.
 
 The anchors: the GEMM floor, the unfused loss (eager and ``torch.compile``, and jnp under XLA
-where written), and Liger's fused losses where one computes the mode's loss. The library: one
+where written), and Liger's fused losses where one computes the mode's loss (``liger``; against a
+teacher head also its chunked JSD loss, ``liger-chunked``). The library: one
 row per backend of ``torch_kl.backends.REGISTRY`` and of ``jax_kl.backends.REGISTRY``, plus
 ``torch_kl``'s default backend with fp32 accumulation and with the low-memory chunk size, and
 the A/B rows that price one optimisation each: ``torch_kl/triton-cublas-logits`` (no fused
@@ -139,6 +140,27 @@ def _liger(mode: Mode, accum_dtype: torch.dtype | None = None) -> LossFn:
     raise Skip(f"Liger has no fused loss for mode {mode.name!r}")
 
 
+def _liger_chunked(mode: Mode) -> LossFn:
+    """Liger's chunked distillation loss (``chunked_loss.LigerFusedLinearJSDLoss``: per chunk of
+    rows, the logits and their loss under ``torch.compile``, gradients by ``torch.func``) against
+    a teacher head, soft term only; it takes labels for its hard term, here weighted 0."""
+    if mode.teacher != "hidden":
+        raise Skip(f"Liger's chunked JSD takes a teacher head; mode {mode.name!r} has none")
+    try:
+        from liger_kernel.chunked_loss import LigerFusedLinearJSDLoss
+    except ImportError as e:
+        raise Skip(f"liger_kernel.chunked_loss is not importable ({e})") from None
+    jsd = LigerFusedLinearJSDLoss(weight_hard_loss=0.0, weight_soft_loss=1.0, beta=mode.beta)
+    labels: dict[int, torch.Tensor] = {}
+
+    def loss(x: torch.Tensor, w: torch.Tensor, a: dict[str, torch.Tensor]) -> torch.Tensor:
+        if x.shape[0] not in labels:  # made once per shape, outside the timed steps
+            labels[x.shape[0]] = torch.zeros(x.shape[0], dtype=torch.long, device=x.device)
+        return jsd(x, w, a["target"], a["teacher_weight"], labels[x.shape[0]])
+
+    return loss
+
+
 def _fused(package: str, mode: Mode, **options: Any) -> LossFn:
     """``fused_linear_kl_div`` (``fused_linear_cross_entropy`` without a teacher) of ``torch_kl`` or ``jax_kl``."""
     api = importlib.import_module(package)
@@ -217,6 +239,7 @@ def build() -> dict[str, Impl]:
         ),
         "liger": Impl("torch", _autograd(_liger), gpu_only=True),
         "liger-fp32": Impl("torch", _autograd(functools.partial(_liger, accum_dtype=torch.float32)), gpu_only=True),
+        "liger-chunked": Impl("torch", _autograd(_liger_chunked), gpu_only=True),
         "xla": Impl("jax", _jitted(functools.partial(_unfused, unfused.JAX)), bytes_per_logit=16),
     }
     impls |= {f"torch_kl/{name}": _torch_kl(name) for name in _registry("torch_kl")}

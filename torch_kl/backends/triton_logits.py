@@ -224,7 +224,8 @@ def logits_with_stats(
 def plain_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, z: torch.Tensor) -> bool:
     """Write ``x W^T (+ bias)`` into ``z`` with the same GEMM and nothing else in its epilogue
     (a teacher head's logits: on the H200 it ran a 1024-row block of them faster than cuBLAS,
-    benchmarks/RESULTS.md); False, ``z`` untouched, where it does not take the operands."""
+    benchmarks/RESULTS-2026-12-02-blocks.md); False, ``z`` untouched, where it does not take
+    the operands."""
     if not fits(x, weight, bias, z):
         return False
     launch(x, weight, bias, None, z, exp=False)
