@@ -152,6 +152,17 @@ def test_bench_lists_every_registry_backend() -> None:
     assert [n.replace("torch_kl/", "torch/").replace("jax_kl/", "jax/") for n in backends] == _registry_ids()
 
 
+@pytest.mark.parametrize("mode", ["kl", "jsd", "topk", "ce"])
+def test_liger_chunked_anchor_takes_only_a_teacher_head(mode: str) -> None:
+    """Liger's chunked JSD loss needs the teacher's hidden states and head: other modes skip it
+    with the reason (before importing Liger, which the CPU machine lacks)."""
+    from benchmarks.impls import Skip, _liger_chunked
+    from benchmarks.modes import MODES
+
+    with pytest.raises(Skip, match="takes a teacher head"):
+        _liger_chunked(MODES[mode])
+
+
 @pytest.mark.parametrize("mode", ["kl", "hidden", "reverse-hidden", "topk", "ce", "ce-smooth"])
 def test_bench_quick_writes_table_json_and_plot(tmp_path, mode: str) -> None:
     from benchmarks import bench, unfused
