@@ -121,13 +121,18 @@ def _compiled_unfused(mode_name: str) -> LossFn:
     return torch.compile(unfused.TORCH[mode_name])
 
 
+def _liger_module(name: str) -> Any:
+    """Liger's module ``name``; a row without Liger is skipped, saying why."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as e:
+        raise Skip(f"{name} is not importable ({e})") from None
+
+
 def _liger(mode: Mode, accum_dtype: torch.dtype | None = None) -> LossFn:
     """Liger's fused loss of the mode, where it has one: the KL against probabilities, the JSD
     family against a teacher head (``jsd_beta`` 0: forward KL, 1: reverse), and the cross-entropy."""
-    try:
-        import liger_kernel.transformers as liger
-    except ImportError as e:
-        raise Skip(f"liger_kernel is not importable ({e})") from None
+    liger = _liger_module("liger_kernel.transformers")
     if mode.name == "kl":
         kl = liger.LigerFusedLinearKLDivLoss(accum_dtype=accum_dtype)
         return lambda x, w, a: kl(x, w, a["target"])
@@ -146,11 +151,8 @@ def _liger_chunked(mode: Mode) -> LossFn:
     a teacher head, soft term only; it takes labels for its hard term, here weighted 0."""
     if mode.teacher != "hidden":
         raise Skip(f"Liger's chunked JSD takes a teacher head; mode {mode.name!r} has none")
-    try:
-        from liger_kernel.chunked_loss import LigerFusedLinearJSDLoss
-    except ImportError as e:
-        raise Skip(f"liger_kernel.chunked_loss is not importable ({e})") from None
-    jsd = LigerFusedLinearJSDLoss(weight_hard_loss=0.0, weight_soft_loss=1.0, beta=mode.beta)
+    chunked = _liger_module("liger_kernel.chunked_loss")
+    jsd = chunked.LigerFusedLinearJSDLoss(weight_hard_loss=0.0, weight_soft_loss=1.0, beta=mode.beta)
     labels: dict[int, torch.Tensor] = {}
 
     def loss(x: torch.Tensor, w: torch.Tensor, a: dict[str, torch.Tensor]) -> torch.Tensor:
