@@ -1,4 +1,4 @@
-"""GPU tests (H200): every GPU backend against the float64 reference at the issue's shapes,
+"""GPU tests (H200): every GPU backend against the float64 reference at the benchmark's shapes,
 the bridge's zero-copy and training loops, determinism, N*V > 2**31, extreme inputs.
 
 Run on a GPU machine: ``XLA_PYTHON_CLIENT_PREALLOCATE=false python -m pytest -m gpu tests/test_gpu.py``.
