@@ -1,5 +1,6 @@
-"""GPU tests (H200): every GPU backend against the float64 reference at the benchmark's shapes,
-the bridge's zero-copy and training loops, determinism, N*V > 2**31, extreme inputs.
+"""GPU tests (H200): every GPU backend against the float64 reference at a small, an odd and the
+llama-3 head's shape (``SHAPES``), the bridge's zero-copy and training loops, determinism,
+N*V > 2**31, extreme inputs.
 
 Run on a GPU machine: ``XLA_PYTHON_CLIENT_PREALLOCATE=false python -m pytest -m gpu tests/test_gpu.py``.
 """
