@@ -4,7 +4,8 @@ Neither model materialises its ``[B, T, V]`` logits in the fused path: the stude
 hidden states, the loss applies ``student.lm_head.weight`` chunk by chunk, and the teacher enters
 as *its* hidden states plus *its* head (``teacher_weight=``), so the teacher logits never exist
 either. The example checks the loss value and every student gradient against the plain KL on the
-models' own ``.logits`` (full forward, float32), then trains a few steps.
+models' own ``.logits`` (full forward, float32), shows that ``torch_kl.transformers.distillation_loss``
+makes the same call in one line, then trains a few steps.
 
 Runs on CPU in seconds with random weights from small configs; nothing is downloaded.
 
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import torch_kl
+from torch_kl.transformers import distillation_loss
 
 VOCAB, TEMPERATURE, HARD = 256, 2.0, 0.25
 
@@ -120,6 +122,10 @@ def main() -> None:
     )
 
     check_against_logits(student, teacher, batch)
+    one_line = distillation_loss(student, teacher, batch["input_ids"], attention_mask=batch["attention_mask"],
+                                 labels=batch["labels"], temperature=TEMPERATURE, weight_hard_loss=HARD)  # fmt: skip
+    torch.testing.assert_close(one_line, fused_loss(student, teacher, batch), rtol=1e-6, atol=1e-7)
+    print(f"distillation_loss(student, teacher, ...) in one line: {one_line.item():.6f}, the same")
 
     opt = torch.optim.AdamW(student.parameters(), lr=3e-3)
     losses = []

@@ -1,45 +1,22 @@
-"""TRL's GKD trainer with ``torch_kl.FusedLinearJSDLoss`` as its fused generalized-JSD loss.
+"""TRL's GKD trainer with the fused generalized-JSD loss: ``torch_kl.trl.FusedGKDTrainer``.
 
-What TRL does (read from its ``GKDTrainer`` source, ``trl/experimental/gkd/gkd_trainer.py``;
-``trl/trainer/gkd_trainer.py`` in older releases):
+``FusedGKDTrainer`` is TRL's ``GKDTrainer`` (``trl.experimental.gkd`` from TRL 1.14, top-level ``trl``
+before) whose ``compute_loss`` is ``torch_kl.transformers.distillation_loss``: the student's and the
+teacher's bodies, their heads as weights, TRL's ``beta`` at temperature 1, the rows whose next label is
+not -100 — what TRL's unfused ``compute_loss`` (the full-logits ``generalized_jsd_loss``) computes,
+without either model's ``[B, T, V]`` logits. TRL 1.13 and older had a fused path through Liger's (then
+TRL's own) ``FusedLinearJSDLoss`` behind ``use_liger_kernel=True``; 1.14 removed it, and the subclass
+needs neither Liger nor that flag.
 
-* TRL 0.22 to 1.0: with ``GKDConfig(use_liger_kernel=True)`` the trainer builds
-  ``self.liger_jsd_loss = LigerFusedLinearJSDLoss(beta=args.beta, ignore_index=-100,
-  temperature=args.temperature, compiled=False)``: Liger's default weights, 0.5 hard CE + 0.5
-  soft, at the *sampling* temperature, unlike the unfused path (pure JSD at temperature 1).
-* By TRL 1.4 the same call has ``weight_hard_loss=0.0, weight_soft_loss=1.0`` and no
-  ``temperature``, to match the unfused path; by 1.8 the attribute is ``self.liger_loss``.
-  TRL 1.13 replaced Liger's class with its own ``trl.losses.FusedLinearJSDLoss``; TRL 1.14
-  removed the fused path from ``GKDTrainer`` (``use_liger_kernel`` no longer changes its loss;
-  TRL points to its ``DistillationTrainer`` for a chunked loss).
-* In every version with the fused path, ``compute_loss`` runs the *bodies* (``get_decoder()``),
-  takes ``last_hidden_state[:, :-1]`` of student and teacher, builds
-  ``true_labels = where(labels != -100, input_ids, -100)[:, 1:]`` and calls
-  ``loss_fn(student_input=, student_weight=, teacher_input=, teacher_weight=, true_labels=,
-  student_bias=, teacher_bias=)`` with the heads from ``get_output_embeddings()``; 1.13 also
-  rescales by ``n_valid_local / num_items_in_batch`` under gradient accumulation.
-
-So swapping an attribute works only on the TRL versions that have it (and then Liger must be
-installed, since ``use_liger_kernel=True`` also patches the model with Liger's kernels). This
-example instead subclasses ``GKDTrainer`` and overrides ``compute_loss`` with that same call on
-``torch_kl.FusedLinearJSDLoss``, which works on any TRL whose ``GKDTrainer`` has the
-``compute_loss(model, inputs, return_outputs, num_items_in_batch)`` hook, Liger or not, CPU or
-GPU. It checks that the fused loss and gradients equal TRL's own unfused ``compute_loss`` (the
-full-logits ``generalized_jsd_loss``) on a collated batch, then trains a few GKD steps, with
-on-policy generation by the student (``lmbda=0.5``), on tiny random Llamas.
+The example checks that the fused loss and gradients equal TRL's own unfused ``compute_loss`` on a
+collated batch (with and without ``num_items_in_batch``), then trains a few GKD steps, with on-policy
+generation by the student (``lmbda=0.5``), on tiny random Llamas.
 
 Nothing needs the network: the models come from configs, the tokenizer is a word-level
 ``tokenizers`` object built in memory with a small chat template (TRL's default collator,
 ``DataCollatorForChatML``, applies it), and the dataset is an in-memory ``datasets.Dataset``.
-GKDTrainer needs ``processing_class`` (a tokenizer with a pad token) and instantiated models; given
-a model *name* instead it would download it. ``GKDConfig`` defaults to ``bf16=True`` (bf16
-autocast, on the CPU too) and ``gradient_checkpointing=True``; both are turned off here so that
-the comparison is float32 and the run quick. With bf16 on, note that ``prepare_model`` wraps the
-teacher's ``forward`` in autocast, which a call of its ``get_decoder()`` (TRL's fused path and
-this one) bypasses: the teacher body then runs in float32 there, in bf16 on the unfused path.
-
-Tested with TRL 1.8 to 1.16 (the comparison needs an unfused ``compute_loss`` that honours
-``num_items_in_batch``, which TRL 1.4 and older do not).
+``GKDConfig`` defaults to ``bf16=True`` and ``gradient_checkpointing=True``; both are turned off here
+so that the comparison is float32 and the run quick.
 
     python examples/trl_gkd_jsd.py
 """
@@ -53,20 +30,18 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 import random
 import tempfile
-from typing import Any
 
 import torch
 from datasets import Dataset
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-from transformers.utils import ModelOutput
 
-from torch_kl import FusedLinearJSDLoss
+from torch_kl.trl import FusedGKDTrainer, GKDTrainer
 
-try:  # recent TRL keeps GKD under experimental
-    from trl.experimental.gkd import GKDConfig, GKDTrainer
-except ImportError:  # older TRL
-    from trl import GKDConfig, GKDTrainer
+try:  # TRL keeps GKD under experimental from 1.14
+    from trl.experimental.gkd import GKDConfig
+except ImportError:
+    from trl import GKDConfig
 
 WORDS = [f"w{i}" for i in range(120)]
 SPECIALS = ["<pad>", "<unk>", "<s>", "</s>", "user", "assistant", ":"]
@@ -74,45 +49,6 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} </s> {% endfor %}"
     "{% if add_generation_prompt %}assistant : {% endif %}"
 )
-
-
-class FusedGKDTrainer(GKDTrainer):
-    """``GKDTrainer`` whose loss is the fused generalized JSD: no ``[B, T, V]`` logits, student's
-    or teacher's. Configured as TRL 1.x configured Liger's (pure JSD at temperature 1, TRL's
-    ``beta``), so it computes what TRL's unfused ``compute_loss`` computes."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.fused_jsd_loss = FusedLinearJSDLoss(
-            beta=self.args.beta, ignore_index=-100, compiled=False, weight_hard_loss=0.0, weight_soft_loss=1.0
-        )
-
-    def compute_loss(
-        self,
-        model: torch.nn.Module,
-        inputs: dict[str, torch.Tensor],
-        return_outputs: bool = False,
-        num_items_in_batch: torch.Tensor | int | None = None,
-    ):
-        student = self.accelerator.unwrap_model(model)
-        teacher = self.accelerator.unwrap_model(self.teacher_model)
-        teacher.eval()
-        body_inputs = dict(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], use_cache=False)
-        # Single process here; under DDP/FSDP route the student's body through the wrapper (TRL 1.13 does so
-        # with `trl.models.utils._ForwardRedirection`) so that its hooks fire.
-        s_hidden = student.get_decoder()(**body_inputs).last_hidden_state
-        with torch.no_grad():
-            t_hidden = teacher.get_decoder()(**body_inputs).last_hidden_state
-        true_labels = torch.where(inputs["labels"] != -100, inputs["input_ids"], -100)[:, 1:]
-        s_head, t_head = student.get_output_embeddings(), teacher.get_output_embeddings()
-        loss = self.fused_jsd_loss(
-            student_input=s_hidden[:, :-1], student_weight=s_head.weight,
-            teacher_input=t_hidden[:, :-1], teacher_weight=t_head.weight, true_labels=true_labels,
-            student_bias=getattr(s_head, "bias", None), teacher_bias=getattr(t_head, "bias", None),
-        )  # fmt: skip
-        if num_items_in_batch is not None:  # "batchmean" over this batch -> over the accumulated batches
-            loss = loss * (true_labels != -100).sum() / torch.as_tensor(num_items_in_batch, device=loss.device)
-        return (loss, ModelOutput(last_hidden_state=s_hidden)) if return_outputs else loss
 
 
 def word_tokenizer() -> PreTrainedTokenizerFast:
@@ -211,16 +147,12 @@ def main() -> None:
 
         with torch.no_grad():
             before = trainer.compute_loss(student, dict(inputs)).item()
-        calls: list[int] = []
-        trainer.fused_jsd_loss.register_forward_hook(lambda *_: calls.append(1))
         trainer.train()
-        n_calls = len(calls)
         with torch.no_grad():
             after = trainer.compute_loss(student, dict(inputs)).item()
     logged = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     print("logged training losses:", " ".join(f"{x:.4f}" for x in logged))
     print(f"held-out batch: fused JSD {before:.4f} before training, {after:.4f} after {args.max_steps} steps")
-    assert n_calls == args.max_steps, f"the fused loss ran {n_calls} times in {args.max_steps} steps"
     assert len(logged) == args.max_steps and all(torch.isfinite(torch.tensor(logged))), logged
     assert after < 0.9 * before, "training should reduce the loss on the held-out batch"
     print("OK")
