@@ -1,5 +1,7 @@
 """The benchmark and diagnostics of fused-kl; not part of the library.
 
 ``python -m benchmarks.bench`` (from the repository root) times every implementation against
-the GEMM floor; ``benchmarks/diagnose.py`` holds the GPU diagnostics behind ``RESULTS-2026-12-01.md``.
+the GEMM floor; ``benchmarks.interleave`` compares a few in interleaved rounds; ``benchmarks.scaling``
+times the several-device layouts; ``benchmarks.diagnose`` prices the row kernels and the chunk size;
+``benchmarks.results`` makes RESULTS.md's tables and plot from ``results.csv``.
 """

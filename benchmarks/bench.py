@@ -8,6 +8,8 @@ backward of the ``--mode``'s loss (:mod:`benchmarks.modes`) on the same bf16 inp
 * the median time, and its ratio to the GEMM floor of that shape (quote the ratio: it carries
   over between GPUs and clock speeds far better than a lone time), the floor timed around each
   of the implementation's timing rounds (:mod:`benchmarks.measure`);
+* the effective TFLOP/s: the step's GEMM work, ``6 N H V`` (plus ``2 N H_t V`` for a teacher
+  head's logits), over its median time; the floor's is the rate of those GEMMs alone;
 * the peak memory beyond the inputs: torch's allocator peak above what was allocated before
   the row, plus the temporaries and outputs of the compiled JAX programs (XLA's memory
   analysis), since each framework's allocator is blind to the other's; and the same minus
@@ -42,9 +44,8 @@ from .modes import MODES, Inputs, make_inputs, make_weight, reference_grads
 from .report import Row
 from .shapes import DEFAULT, QUICK, SHAPES, Shape, parse_head
 
-# do_bench's budgets: a second of timing after half a second of warm-up. With 200 ms after 25
-# (four or five steps of N = 8192) the first timing after a row's setup read up to 20 % high
-# (benchmarks/RESULTS.md, fifteenth run).
+# do_bench's budgets: a second of timing after half a second of warm-up. A budget of a few steps
+# lets the first timing after a row's setup read high (docs/design-notes.md, the bench's budgets).
 DEFAULTS = {"heads": DEFAULT, "n": (2048, 4096, 8192, 16384, 32768), "timing": Timing(10, 1000.0, 500.0)}
 # Tiny shapes and few repetitions: a smoke test on CPU. Seconds per row, except the Triton
 # interpreter's rows (torch_kl/triton, jax_kl/triton: about 10 s each); pick --impls to skip them.
@@ -72,6 +73,14 @@ def _items(values: list[str]) -> list[str]:
     return [item for value in values for item in value.split(",") if item]
 
 
+def _positive(values: list[str], flag: str) -> list[int]:
+    """Space- and comma-separated positive integers; ``ValueError`` naming ``flag`` otherwise."""
+    items = _items(values)
+    if not all(item.isdigit() and int(item) > 0 for item in items):
+        raise ValueError(f"{flag}: expected positive integers, got {' '.join(values)!r}")
+    return [int(item) for item in items]
+
+
 def parse_args(argv: list[str] | None, impls: dict[str, Impl]) -> Config:
     """The command line as a :class:`Config`; ``--quick`` changes the defaults, not explicit flags."""
     parser = argparse.ArgumentParser(
@@ -88,6 +97,11 @@ def parse_args(argv: list[str] | None, impls: dict[str, Impl]) -> Config:
         "--heads", nargs="+",
         help=f"LM heads by name ({', '.join(SHAPES)}) or as HxV (default {' '.join(DEFAULT)})",
     )  # fmt: skip
+    parser.add_argument(
+        "--vocab", nargs="+",
+        help="vocabulary sizes V replacing each head's (every head with every V), e.g. 50257,50304: "
+        "unaligned vocabularies beside aligned ones",
+    )  # fmt: skip
     parser.add_argument("--impls", nargs="+", help=f"subset of: {' '.join(impls)} (default all)")
     parser.add_argument("--reps", type=int, help="timed calls per row on the wall clock (JAX, CPU)")
     parser.add_argument("--rep-ms", type=float, help="do_bench's budget in ms per timing (torch on CUDA)")
@@ -103,7 +117,10 @@ def parse_args(argv: list[str] | None, impls: dict[str, Impl]) -> Config:
         parser.error(f"--impls: unknown {', '.join(unknown)}; expected some of {', '.join(impls)}")
     try:
         heads = tuple(parse_head(h) for h in (_items(args.heads) if args.heads else base["heads"]))
-        n = tuple(sorted(int(v) for v in _items(args.n))) if args.n else base["n"]
+        if args.vocab:
+            vocab = _positive(args.vocab, "--vocab")
+            heads = tuple(dict.fromkeys(parse_head(f"{head.h}x{v}") for head in heads for v in vocab))
+        n = tuple(sorted(_positive(args.n, "--n"))) if args.n else base["n"]
     except ValueError as e:
         parser.error(str(e))
     timing = base["timing"]
@@ -179,6 +196,8 @@ def run(cfg: Config, impls: dict[str, Impl], on_gpu: bool) -> list[Row]:
                 rows.append(row)
                 if name == "floor" and row.ms:
                     row.x_floor = 1.0
+                if row.ms:
+                    row.tflops = inputs.flops / (row.ms * 1e9)  # ms * 1e9 = seconds * 1e12
                 bar.write(report.text_line(report.cells(row)), file=sys.stdout)
                 sys.stdout.flush()
                 report.save(rows, meta, cfg.out_dir)

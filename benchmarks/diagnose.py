@@ -1,6 +1,7 @@
-"""Diagnostics behind benchmarks/RESULTS-2026-12-01.md's analysis (GPU only): the row kernel alone on one
-chunk at several tile shapes, and ``torch_kl`` at several chunk sizes, each as a ratio to the
-three-GEMM floor timed just before and after it (the card's clock drifts with its temperature).
+"""Where ``torch_kl``'s time above the floor goes (GPU only; what it measured backs the chunk size
+in docs/design-notes.md): the row kernel alone on one chunk at several tile shapes, and
+``torch_kl`` at several chunk sizes, each as a ratio to the three-GEMM floor timed just before
+and after it (the card's clock drifts with its temperature).
 
     XLA_PYTHON_CLIENT_PREALLOCATE=false python -m benchmarks.diagnose   # from the repository root
 """
@@ -14,7 +15,7 @@ import torch_kl
 from fused_kl import rowmath
 from fused_kl.loss import Loss, Teacher
 from fused_kl.plan import plan_chunks
-from torch_kl.backends import phases_of
+from torch_kl.backends import resolve
 
 N, H, V = 8192, 4096, 128256
 
@@ -43,13 +44,13 @@ def main() -> None:
     rows = plan_chunks(N, V, 2, None).chunk_rows
     # The row phases of the forward KL on one chunk (stats, then dL/dz over the logits), as the
     # chunk driver runs them; the per-row coefficients between the two are computed once.
-    phases = phases_of("triton")
+    phases = resolve("triton", torch.device("cuda")).phases
     loss = Loss(teacher=Teacher("probs", 1.0))
     zc, tc = z[:rows], t[:rows]
     keep = torch.ones(rows, dtype=torch.bool, device="cuda")
-    weights = rowmath.scales(keep.sum(dtype=torch.float32), loss, V, False, torch)
+    weights = rowmath.loss_weights(keep.sum(dtype=torch.float32), loss, V, False, torch)
     stats = phases.stats(zc, tc, None, loss, (16, 128))
-    coefs = rowmath.coefficients(stats, rowmath.row_scales(keep, weights, loss, torch), None, None, loss, torch)
+    coefs = rowmath.coefficients(stats, rowmath.grad_scales(keep, weights, loss, torch), None, None, loss, torch)
 
     def row_phases(tile: tuple[int, int]) -> None:
         phases.stats(zc, tc, None, loss, tile)
@@ -79,8 +80,8 @@ def main() -> None:
     ce = Loss(weight_hard=1.0, weight_soft=0.0)
     labels = torch.randint(0, V, (rows,), device="cuda")
     ce_stats = phases.stats(zc, None, labels, ce, (16, 128))
-    ce_weights = rowmath.scales(keep.sum(dtype=torch.float32), ce, V, False, torch)
-    ce_coefs = rowmath.coefficients(ce_stats, rowmath.row_scales(keep, ce_weights, ce, torch), None, None, ce, torch)
+    ce_weights = rowmath.loss_weights(keep.sum(dtype=torch.float32), ce, V, False, torch)
+    ce_coefs = rowmath.coefficients(ce_stats, rowmath.grad_scales(keep, ce_weights, ce, torch), None, None, ce, torch)
 
     def ce_phases() -> None:
         phases.stats(zc, None, labels, ce, (16, 128))

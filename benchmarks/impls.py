@@ -13,7 +13,9 @@ row per backend of ``torch_kl.backends.REGISTRY`` and of ``jax_kl.backends.REGIS
 ``torch_kl``'s default backend with fp32 accumulation and with the low-memory chunk size, and
 the A/B rows that price one optimisation each: ``torch_kl/triton-cublas-logits`` (no fused
 logits GEMM), ``-unfactored`` (``dL/dz`` written by ``finish``), ``-unchecked`` (no eager value
-checks), and ``jax_kl/pallas-cublas``, ``pallas_triton-cublas`` (XLA's Triton GEMMs off).
+checks), and ``jax_kl/pallas-cublas``, ``pallas_triton-cublas`` (XLA's Triton GEMMs off). A variant
+of a backend is its resolved value with fields replaced (``dataclasses.replace``), passed as
+``backend=``.
 """
 
 from __future__ import annotations
@@ -179,7 +181,8 @@ def _registry(package: str) -> tuple[str, ...]:
         return ()
 
 
-def _torch_kl(backend: str) -> Impl:
+def _torch_kl(backend: Any) -> Impl:
+    """``torch_kl`` with ``backend``: a name, or a resolved ``Backend`` value."""
     make = _autograd(lambda mode: _fused("torch_kl", mode, backend=backend))
     if backend != "pallas":
         return Impl("torch", make)
@@ -191,24 +194,15 @@ def _torch_kl(backend: str) -> Impl:
     return Impl("torch", bridged)
 
 
-def _torch_kl_without(**off: bool) -> Callable[[Inputs], Prepared]:
-    """The Triton backend with some of its fusions off (``Backend`` fields set False): what
-    they save, priced in one run."""
+def _torch_kl_without(*fields: str) -> Callable[[Inputs], Prepared]:
+    """The Triton backend with some of its kernels left out (those ``Backend`` fields None, so
+    cuBLAS or the row kernels run instead): what they save, priced in one run."""
 
     def make(inputs: Inputs) -> Prepared:
         from torch_kl import backends
 
-        prepared = _torch_kl("triton").make(inputs)
-        fused = backends.REGISTRY["triton"]
-
-        def step() -> tuple[Any, Any]:
-            backends.REGISTRY["triton"] = dataclasses.replace(fused, **off)
-            try:
-                return prepared.step()
-            finally:
-                backends.REGISTRY["triton"] = fused
-
-        return dataclasses.replace(prepared, step=step)
+        triton = backends.resolve("triton", inputs.x.device)
+        return _torch_kl(dataclasses.replace(triton, **dict.fromkeys(fields))).make(inputs)
 
     return make
 
@@ -256,9 +250,11 @@ def build() -> dict[str, Impl]:
     }
     if "triton" in _registry("torch_kl"):
         # cuBLAS logits, then the `stats` and `finish` kernels: the comparison that prices both fusions
-        impls["torch_kl/triton-cublas-logits"] = Impl("torch", _torch_kl_without(fused_logits=False))
+        impls["torch_kl/triton-cublas-logits"] = Impl(
+            "torch", _torch_kl_without("fused_logits", "plain_logits", "factored", "factored_topk")
+        )
         # the statistics in the GEMM's epilogue, `dL/dz` written by `finish` (cross-entropy: not factored)
-        impls["torch_kl/triton-unfactored"] = Impl("torch", _torch_kl_without(factored=False))
+        impls["torch_kl/triton-unfactored"] = Impl("torch", _torch_kl_without("factored", "factored_topk"))
         impls["torch_kl/triton-unchecked"] = Impl("torch", _torch_kl_unchecked)
     # XLA folds each chunk's `acc + g^T x` into a cuBLAS GEMM (beta = 1) only when its own Triton
     # GEMMs are off: `pallas_triton-cublas` shows that fold. `pallas-cublas` is what a user's

@@ -105,6 +105,15 @@ class Inputs:
         return to_jax(self.x), to_jax(self.weight), {k: to_jax(t) for k, t in self.arrays.items()}
 
     @property
+    def flops(self) -> int:
+        """The step's GEMM work: ``6 N H V`` for the logits and the two gradient GEMMs, plus
+        ``2 N H_t V`` for a teacher head's logits. Over a step's time: its effective FLOP/s,
+        which the floor (these GEMMs alone) bounds."""
+        (n, h), v = self.x.shape, self.v
+        teacher = self.arrays.get("teacher_weight")
+        return 6 * n * h * v + (0 if teacher is None else 2 * n * teacher.shape[1] * v)
+
+    @property
     def grad_bytes(self) -> int:
         """Bytes of ``grad_x`` and ``grad_weight`` together, in the inputs' dtype."""
         return (self.x.numel() + self.weight.numel()) * self.x.element_size()

@@ -11,8 +11,10 @@ from typing import Any
 
 from .shapes import Shape
 
-HEADER = ("head", "N", "impl", "ms", "× floor", "peak GiB", "beyond grads GiB", "err grad_w", "err grad_x", "note")
-WIDTHS = (12, 6, 29, 9, 8, 9, 17, 11, 11, 0)
+HEADER = (
+    "head", "N", "impl", "ms", "× floor", "TFLOP/s", "peak GiB", "beyond grads GiB", "err grad_w", "err grad_x", "note",
+)  # fmt: skip
+WIDTHS = (12, 6, 29, 9, 8, 8, 9, 17, 11, 11, 0)
 PACKAGES = ("torch", "triton", "jax", "jaxlib", "liger-kernel")
 
 
@@ -26,6 +28,7 @@ class Row:
     status: str = "ok"  # "ok", "OOM", "skipped: why" or "failed: error"
     ms: float | None = None
     x_floor: float | None = None
+    tflops: float | None = None  # the loss's GEMM work (benchmarks.modes.Inputs.flops) over ms
     peak_gib: float | None = None
     beyond_grads_gib: float | None = None
     err_grad_weight: float | None = None  # against fused_kl.reference (float64)
@@ -44,6 +47,7 @@ def cells(row: Row) -> tuple[str, ...]:
         row.impl,
         _fmt(row.ms, ".4g"),
         _fmt(row.x_floor, ".2f"),
+        _fmt(row.tflops, ".3g"),
         _fmt(row.peak_gib, ".3g"),
         _fmt(row.beyond_grads_gib, ".3g"),
         _fmt(row.err_grad_weight, ".1e"),

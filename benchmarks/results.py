@@ -1,0 +1,105 @@
+"""``python -m benchmarks.results``: the tables and the plot of ``benchmarks/RESULTS.md`` from its data.
+
+``benchmarks/results.csv`` holds the bench rows that RESULTS.md quotes, one per (mode, N,
+implementation), each with the commit whose code it measured, the date and the bench's timing
+budgets (``do_bench``'s rep/warm-up in ms); a floor row per run that a quoted row came from, since
+each ratio is to the floor timed in its own process. This prints one Markdown table per mode and
+N and draws ``results.png``: × floor and effective TFLOP/s per mode, memory beyond the gradients.
+To add a run: append the rows of its ``results.json`` (``python -m benchmarks.bench``) with their
+mode, commit, date and budgets, drop the rows it supersedes, and run this again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+from collections.abc import Sequence
+from pathlib import Path
+
+HERE = Path(__file__).parent
+FIELDS = (
+    "mode", "head", "n", "impl", "ms", "x_floor", "tflops", "peak_gib", "beyond_grads_gib",
+    "err_grad_w", "err_grad_x", "commit", "date", "timing_ms",
+)  # fmt: skip
+COLUMNS = ("impl", "ms", "× floor", "TFLOP/s", "GiB beyond grads", "err grad_w", "commit", "timing ms")
+
+
+def load(path: Path) -> list[dict[str, str]]:
+    """The rows of ``results.csv``, in the file's order."""
+    with path.open(newline="", encoding="utf-8") as f:
+        rows = list(csv.DictReader(f))
+    if rows and tuple(rows[0]) != FIELDS:
+        raise ValueError(f"{path}: expected the columns {', '.join(FIELDS)}, got {', '.join(rows[0])}")
+    return rows
+
+
+def groups(rows: Sequence[dict[str, str]]) -> dict[tuple[str, int], list[dict[str, str]]]:
+    """The rows by (mode, N), in the file's order."""
+    out: dict[tuple[str, int], list[dict[str, str]]] = {}
+    for row in rows:
+        out.setdefault((row["mode"], int(row["n"])), []).append(row)
+    return out
+
+
+def markdown(rows: Sequence[dict[str, str]]) -> str:
+    """One table per (mode, N): every implementation against its run's floor."""
+    parts = []
+    for (mode, n), group in groups(rows).items():
+        lines = [f"#### `{mode}`, N = {n}", "", "| " + " | ".join(COLUMNS) + " |", "|" + " --- |" * len(COLUMNS)]
+        for r in group:
+            cells = (f"`{r['impl']}`", r["ms"], r["x_floor"], r["tflops"], r["beyond_grads_gib"], r["err_grad_w"],
+                     f"`{r['commit']}`", r["timing_ms"])  # fmt: skip
+            lines.append("| " + " | ".join(cells) + " |")
+        parts.append("\n".join(lines))
+    return "\n\n".join(parts) + "\n"
+
+
+def plot(rows: Sequence[dict[str, str]], n: int, path: Path) -> None:
+    """Per mode at ``n`` rows: each implementation's × floor (its TFLOP/s written beside the bar)
+    and its memory beyond the gradients."""
+    from matplotlib import colormaps
+    from matplotlib.figure import Figure
+
+    by_mode = {mode: [r for r in group if r["impl"] != "floor"] for (mode, m), group in groups(rows).items() if m == n}
+    impls = list(dict.fromkeys(r["impl"] for group in by_mode.values() for r in group))
+    fig = Figure(figsize=(14, 1.2 + 0.9 * len(by_mode)), layout="constrained")
+    ax_time, ax_mem = fig.subplots(1, 2, sharey=True)
+    height = 0.8 / len(impls)
+    labelled: set[str] = set()  # one legend entry per implementation
+    for i, impl in enumerate(impls):
+        color = colormaps["tab10"](i % 10)
+        for j, group in enumerate(by_mode.values()):
+            row = next((r for r in group if r["impl"] == impl), None)
+            if row is None:
+                continue
+            y = j + (i - (len(impls) - 1) / 2) * height
+            ax_time.barh(y, float(row["x_floor"]), height, color=color, label=None if impl in labelled else impl)
+            labelled.add(impl)
+            ax_time.text(float(row["x_floor"]) + 0.005, y, f"{row['tflops']} TFLOP/s", va="center", fontsize=7)
+            ax_mem.barh(y, float(row["beyond_grads_gib"]), height, color=color)
+    ax_time.set(yticks=range(len(by_mode)), yticklabels=list(by_mode), xlim=(1.0, None),
+                xlabel="× the GEMM floor (lower is better)", title=f"forward + backward, N = {n}")  # fmt: skip
+    ax_mem.set(xlabel="GiB beyond grad_x and grad_weight", title="memory the loss holds")
+    ax_time.invert_yaxis()  # the y axis is shared: the modes top down in the table's order
+    for ax in (ax_time, ax_mem):
+        ax.grid(True, axis="x", alpha=0.3)
+    fig.legend(loc="outside right upper")
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.results", description="RESULTS.md's tables (printed) and plot from its data."
+    )
+    parser.add_argument("--data", type=Path, default=HERE / "results.csv", help="the rows (default: benchmarks/)")
+    parser.add_argument("--plot", type=Path, default=HERE / "results.png", help="where the plot goes")
+    parser.add_argument("--n", type=int, default=8192, help="the rows N the plot compares the modes at")
+    args = parser.parse_args(argv)
+    rows = load(args.data)
+    print(markdown(rows), end="")
+    plot(rows, args.n, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
