@@ -1,12 +1,12 @@
-"""Train a small Flax NNX student with optax under ``jax.jit``, distilling a frozen NNX teacher
+"""Train a small Flax NNX student with optax under ``nnx.jit``, distilling a frozen NNX teacher
 through ``jax_kl.fused_linear_kl_div`` with ``target_format="hidden"``.
 
 The head layout: the loss takes the head as ``[V, H]`` (``nn.Linear`` / tied-embedding layout)
-in both frameworks. ``nnx.Linear(H, V)`` stores its kernel as ``[H, V]``, so pass
-``head.kernel[...].T`` (under ``jit`` the transpose is folded into the GEMMs, no copy is made);
-``nnx.Embed`` (a tied head) is already ``[V, H]``. The example checks the first step's loss and
-gradients against the unfused loss (full logits, ``log_softmax``, float32), then checks that
-the loss goes down over 20 steps.
+in both frameworks. ``jax_kl.flax.head_params`` gives it from either kind of NNX head: the student's
+``nnx.Linear(H, V)``, whose kernel is ``[H, V]`` (transposed; under ``jit`` the transpose folds into
+the GEMMs), and the teacher's tied ``nnx.Embed``, already ``[V, H]``. The example checks the first
+step's loss and gradients against the unfused loss (full logits, ``log_softmax``, float32), then
+checks that the loss goes down over 20 steps.
 
 Runs on CPU in seconds.
 
@@ -24,37 +24,36 @@ import optax
 from flax import nnx
 
 import jax_kl
+from jax_kl.flax import head_params
 
 VOCAB, BATCH, SEQ, TEMPERATURE = 384, 8, 16, 1.5
 
 
 class TinyLM(nnx.Module):
-    """Embedding, one residual MLP block, layer norm, and an untied ``nnx.Linear`` head."""
+    """Embedding, one residual MLP block, layer norm, and a head: an ``nnx.Linear`` ``lm_head``, or
+    the embedding itself when ``tied``."""
 
-    def __init__(self, hidden: int, *, rngs: nnx.Rngs) -> None:
+    def __init__(self, hidden: int, *, tied: bool, rngs: nnx.Rngs) -> None:
         self.embed = nnx.Embed(VOCAB, hidden, rngs=rngs)
         self.up = nnx.Linear(hidden, 4 * hidden, rngs=rngs)
         self.down = nnx.Linear(4 * hidden, hidden, rngs=rngs)
         self.norm = nnx.LayerNorm(hidden, rngs=rngs)
-        self.head = nnx.Linear(hidden, VOCAB, rngs=rngs)
+        self.lm_head = self.embed if tied else nnx.Linear(hidden, VOCAB, rngs=rngs)
 
     def hidden(self, tokens: jax.Array) -> jax.Array:
         """The hidden states entering the head, ``[B, T, H]``."""
         h = self.embed(tokens)
         return self.norm(h + self.down(jax.nn.gelu(self.up(h))))
 
-    def head_weight(self) -> tuple[jax.Array, jax.Array]:
-        """The head as the loss wants it: ``[V, H]`` weight and ``[V]`` bias."""
-        return self.head.kernel[...].T, self.head.bias[...]
-
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """Full ``[B, T, V]`` logits: only the unfused reference uses this."""
-        return self.head(self.hidden(tokens))
+        h = self.hidden(tokens)
+        return self.lm_head.attend(h) if isinstance(self.lm_head, nnx.Embed) else self.lm_head(h)
 
 
 def fused_loss(student: TinyLM, teacher: TinyLM, tokens: jax.Array, labels: jax.Array) -> jax.Array:
-    w, b = student.head_weight()
-    tw, tb = teacher.head_weight()
+    w, b = head_params(student)  # the student's nnx.Linear lm_head: kernel [H, V] -> [V, H]
+    tw, tb = head_params(teacher)  # the teacher's tied nnx.Embed: [V, H], no bias
     t_hidden = jax.lax.stop_gradient(teacher.hidden(tokens))
     return jax_kl.fused_linear_kl_div(
         student.hidden(tokens), w, t_hidden, labels, bias=b,
@@ -85,9 +84,9 @@ def main() -> None:
     rng = np.random.default_rng(0)
     tokens = jnp.asarray(rng.integers(0, VOCAB, (BATCH, SEQ)), dtype=jnp.int32)
     labels = tokens.at[::2, -5:].set(-100)  # padding on every other row: ignored positions
-    student = TinyLM(32, rngs=nnx.Rngs(0))
-    teacher = TinyLM(96, rngs=nnx.Rngs(1))
-    teacher.head.kernel[...] = 4.0 * teacher.head.kernel[...]  # a peakier teacher: more to learn
+    student = TinyLM(32, tied=False, rngs=nnx.Rngs(0))
+    teacher = TinyLM(96, tied=True, rngs=nnx.Rngs(1))
+    teacher.embed.embedding[...] = 4.0 * teacher.embed.embedding[...]  # a peakier teacher: more to learn
 
     # First step: the fused loss and gradients equal the unfused ones.
     fused, g_fused = nnx.jit(nnx.value_and_grad(fused_loss))(student, teacher, tokens, labels)

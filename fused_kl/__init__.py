@@ -2,7 +2,13 @@
 
 It holds what must be identical in both frameworks: the loss description (``loss``), the run
 options (``options``), the argument checks and their error messages (``checks``), the chunk plan
-(``plan``), the shared elementwise terms (``terms``) and per-row math (``rowmath``), and the
-float64 reference (``reference``). Nothing here imports torch or JAX at module level. The
+(``plan``), the per-row columns the phases hand each other (``rows``), the shared elementwise
+terms (``terms``) and per-row math (``rowmath``), the phase sequence of one chunk (``chunk``),
+the plain backends' whole-row phases (``wholerow``), and the float64 reference
+(``reference``). Nothing here imports torch or JAX at module level. The
 command line lives in ``fused_kl_cli``, the benchmark in ``benchmarks``.
 """
+
+from ._version import __version__
+
+__all__ = ["__version__"]

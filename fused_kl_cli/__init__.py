@@ -5,3 +5,7 @@
 read when they start is set by :func:`fused_kl_cli.cli.main`, right before a command runs.
 The benchmark is ``python -m benchmarks.bench`` (from the repository root).
 """
+
+from fused_kl._version import __version__
+
+__all__ = ["__version__"]
