@@ -2,6 +2,7 @@
 
 ``python -m benchmarks.bench`` (from the repository root) times every implementation against
 the GEMM floor; ``benchmarks.interleave`` compares a few in interleaved rounds; ``benchmarks.scaling``
-times the several-device layouts; ``benchmarks.diagnose`` prices the row kernels and the chunk size;
+times the several-device layouts; ``benchmarks.distill_hf`` times a distillation step of Hugging Face
+models per loss; ``benchmarks.diagnose`` prices the row kernels and the chunk size;
 ``benchmarks.results`` makes RESULTS.md's tables and plot from ``results.csv``.
 """

@@ -15,7 +15,7 @@ HEADER = (
     "head", "N", "impl", "ms", "× floor", "TFLOP/s", "peak GiB", "beyond grads GiB", "err grad_w", "err grad_x", "note",
 )  # fmt: skip
 WIDTHS = (12, 6, 29, 9, 8, 8, 9, 17, 11, 11, 0)
-PACKAGES = ("torch", "triton", "jax", "jaxlib", "liger-kernel")
+PACKAGES = ("torch", "triton", "jax", "jaxlib", "liger-kernel", "transformers")
 
 
 @dataclasses.dataclass
