@@ -49,7 +49,9 @@ def _is_int(value: object) -> bool:
 def _number(name: str, value: object, ok: Callable[[float], bool], expected: str) -> float:
     if not _is_real(value):
         raise TypeError(f"{name}: expected {expected}, got {type(value).__name__} {value!r}")
-    if not math.isfinite(value) or not ok(value):
+    # Comparisons, not math.isfinite: under torch.compile a float that changed between calls is
+    # symbolic, and Dynamo compares it (a guard) where it cannot call math on it. NaN fails both.
+    if not -math.inf < value < math.inf or not ok(value):
         raise ValueError(f"{name}: expected {expected}, got {value!r}")
     return float(value)
 
@@ -90,8 +92,8 @@ def check_options(
     chunk_size: object = None,
     with_teacher: bool = True,
 ) -> tuple[Loss, RunOptions]:
-    """Validate every keyword argument but ``backend`` (the framework's registry resolves it and
-    sets it in the returned ``RunOptions``); ``accum_dtype`` arrives as a dtype name or None.
+    """Validate every keyword argument but ``backend`` (the framework's registry resolves it into
+    a value that travels beside the returned ``RunOptions``); ``accum_dtype`` arrives as a dtype name or None.
     ``with_teacher=False`` is the fused cross-entropy: no soft term."""
     if reduction == "none":
         raise ValueError(
@@ -221,8 +223,7 @@ def check_arrays(loss: Loss, arrays: dict[str, ArrayFacts | None], v_total: int 
     if labels is not None:
         _int_array("labels", labels, lead, "x's leading dims")
         _same_device("labels", labels, x)
-        if labels.dtype == "int32":  # compared with ignore_index in int32, which would wrap it
-            check_int32_ignore_index(loss.ignore_index, "the labels are int32")
+        _check_labels_hold_ignore_index(labels.dtype, loss.ignore_index)
     elif loss.hard:
         raise ValueError(f"labels: required ({labels_role(loss)}), got None")
     if bias is not None:
@@ -322,18 +323,44 @@ def widened_index_dtype(facts: ArrayFacts, wide: str) -> str | None:
     return wide if facts.kind == "int" and facts.dtype not in INDEX_DTYPES else None
 
 
+def _check_labels_hold_ignore_index(dtype: str, ignore_index: int) -> None:
+    """Labels are compared with ``ignore_index`` in their own dtype (``"int8"``, ``"uint16"``...):
+    int32 labels with a wider ``ignore_index`` are refused (:func:`check_int32_ignore_index`);
+    labels of a dtype that cannot hold it could never mark a row ignored (uint8 cannot hold -100)."""
+    if dtype == "int32":
+        check_int32_ignore_index(ignore_index, "the labels are int32")
+        return
+    bits = int(dtype.removeprefix("u").removeprefix("int"))
+    lo, hi = (0, 2**bits) if dtype.startswith("u") else (-(2 ** (bits - 1)), 2 ** (bits - 1))
+    if not lo <= ignore_index < hi:
+        raise TypeError(
+            f"labels: {dtype} cannot hold ignore_index ({ignore_index}), so no row could be ignored: pass "
+            f"int64 or int32 labels, or an ignore_index in [{lo}, {hi - 1}]"
+        )
+
+
 def check_int32_ignore_index(ignore_index: int, why: str) -> None:
     """Where labels are compared as int32, ``ignore_index`` must fit in 32 bits (``why`` says where)."""
     if not -(2**31) <= ignore_index < 2**31:
         raise ValueError(f"ignore_index: expected an int that fits in 32 bits ({why}), got {ignore_index!r}")
 
 
+def target_values_checked(loss: Loss) -> bool:
+    """Whether the teacher's values are checked where concrete (not under ``jax.jit`` nor
+    ``torch.compile``): probabilities must not be negative, top-k log-probabilities not above 0.
+    The other formats hold any real number."""
+    return loss.soft and loss.teacher.format in ("probs", "topk_log_probs")  # type: ignore[union-attr]
+
+
 def value_summary(
-    labels: Any | None, indices: Any | None, ignore_index: int, sort: Callable[[Any], Any], xp: Any
-) -> list:
+    labels: Any | None, indices: Any | None, ignore_index: int, sort: Callable[[Any], Any], xp: Any,
+    target: Any | None = None, target_format: str = "probs",
+) -> list:  # fmt: skip
     """What the value checks read, reduced where the arrays are (``xp``: torch or numpy; ``sort``
-    sorts the last axis): the kept labels' min and max (if ``labels``), then the top-k indices'
-    min, max and whether a row repeats one (if ``indices``). :func:`check_value_summary` reads it."""
+    sorts the last axis): the kept labels' min and max (if ``labels``), the top-k indices' min,
+    max and whether a row repeats one (if ``indices``), whether ``target`` (where
+    :func:`target_values_checked`) has a value of the wrong sign: by its min or max, so no
+    temporary of its size, and NaN passes (it propagates). :func:`check_value_summary` reads it."""
     parts = []
     if labels is not None:
         kept = xp.where(labels != ignore_index, labels, 0)
@@ -341,13 +368,17 @@ def value_summary(
     if indices is not None:
         ordered = sort(indices.reshape(-1, indices.shape[-1]))
         parts += [ordered[:, 0].min(), ordered[:, -1].max(), (ordered[:, 1:] == ordered[:, :-1]).any()]
+    if target is not None:
+        parts.append(target.min() < 0 if target_format == "probs" else target.max() > 0)
     return parts
 
 
-def check_value_summary(values: list[int], loss: Loss, labels: bool, indices: bool, v: int) -> None:
+def check_value_summary(
+    values: list[int], loss: Loss, labels: bool, indices: bool, v: int, target: bool = False
+) -> None:
     """Raise on bad concrete values, from :func:`value_summary`'s parts as ints: every kept label
     (the hard term's or the cross-entropy's) in ``[0, V)``; top-k indices in ``[0, V)`` and
-    distinct within a row."""
+    distinct within a row; the teacher's values of their format's sign (if ``target``)."""
     if labels:
         kept_min, kept_max = values[:2]
         values = values[2:]
@@ -360,6 +391,11 @@ def check_value_summary(values: list[int], loss: Loss, labels: bool, indices: bo
             raise ValueError(f"target_indices: expected token ids in [0, {v}), got {lo if lo < 0 else hi}")
         if duplicated:
             raise ValueError("target_indices: expected distinct token ids within each row, got a duplicate")
+        values = values[3:]
+    if target and values[0]:
+        if loss.teacher.format == "probs":  # type: ignore[union-attr]
+            raise ValueError("target: expected probabilities >= 0 (target_format='probs'), got a negative one")
+        raise ValueError("target: expected log-probabilities <= 0 (target_format='topk_log_probs'), got one above 0")
 
 
 def backend_unavailable(backend: str, why: str) -> ValueError:

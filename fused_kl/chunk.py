@@ -1,6 +1,6 @@
 """The row phases of one chunk, in order, written once for both frameworks' drivers.
 
-``stats`` → the layout's first collective point → (JSD: ``value`` → the second) →
+``stats`` → the layout's first collective point → (JSD: ``mixture_sums`` → the second) →
 the top-k teacher's ``[rows, k]`` part (``rowmath.topk``) → ``finish`` (``dL/dz``) → the rows'
 losses. ``phases`` is a backend's module of row kernels, ``layout`` says what the collective
 points do, and :class:`ChunkOps` brings the few operations whose spelling differs between
@@ -15,6 +15,7 @@ from typing import Any
 
 from . import rowmath
 from .loss import Loss
+from .rows import STATS
 
 
 @dataclass(frozen=True)
@@ -22,15 +23,15 @@ class ChunkOps:
     """``xp`` (torch or jax.numpy); ``gather(z, at)``: ``z[i, at[i, j]]`` in float32;
     ``set_at(g, at, values, mask)``: ``g`` with ``values[i, j]`` written at ``[i, at[i, j]]``
     where ``mask[i, j]`` (those positions are distinct within a row; in place in torch),
-    returned; ``f32(a)``: ``a`` in float32; ``settle(z, values)``: both, ``values`` made before
-    ``finish`` overwrites ``z`` (JAX: else XLA recomputes them from ``z`` inside the scatter and
-    keeps a copy of ``z`` for it)."""
+    returned; ``f32(a)``: ``a`` in float32; ``materialize(z, values)``: both, ``values`` made
+    before ``finish`` overwrites ``z`` (JAX: else XLA recomputes them from ``z`` inside the scatter
+    and keeps a copy of ``z`` for it)."""
 
     xp: Any
     gather: Callable[[Any, Any], Any]
     set_at: Callable[[Any, Any, Any, Any], Any]
     f32: Callable[[Any], Any]
-    settle: Callable[[Any, Any], tuple[Any, Any]]
+    materialize: Callable[[Any, Any], tuple[Any, Any]]
 
 
 def local_labels(y: Any | None, v0: Any, loss: Loss) -> Any | None:
@@ -60,16 +61,16 @@ def topk_part(
     """The top-k teacher's ``[rows, k]`` part of a chunk (``rowmath.topk``): ``(soft loss per
     row, dense factor K, columns at, dL/dz there, where to write it)``. ``logits_at(at, local)``
     gives the student's raw logits at the columns ``at`` of this vocabulary slice of ``v_local``
-    columns, valid where ``local``; ``stats`` are the rows' combined ``STATS``, ``scales`` their
-    ``rowmath.row_scales``."""
+    columns, valid where ``local``; ``stats`` are the rows' combined ``Stats``, ``scales`` their
+    ``rowmath.grad_scales``."""
     xp = ops.xp
     log_p, idx = topk
     local = (idx >= v0) & (idx < v0 + v_local)
     at = xp.where(local, idx - v0, 0)
     is_label = idx == y[:, None] if loss.hard else False
     soft, k, g_at = rowmath.topk(
-        logits_at(at, local), local, ops.f32(log_p), is_label, (stats[:, 0], stats[:, 1]), scales, loss, v_total,
-        layout.vocab_sum, xp,
+        logits_at(at, local), local, ops.f32(log_p), is_label, (stats[:, STATS.lse], stats[:, STATS.lse_hard]), scales,
+        loss, v_total, layout.vocab_sum, xp,
     )  # fmt: skip
     # A token id outside the whole vocabulary (only possible under jit / compile, where the
     # values went unchecked) makes its row's loss NaN, as the contract says.
@@ -86,7 +87,7 @@ def row_phases(
     topk: tuple[Any, Any] | None,
     v0: Any,
     v_total: int,
-    weights: tuple[Any, Any, Any],
+    weights: rowmath.LossWeights,
     loss: Loss,
     layout: Any,
     phases: Any,
@@ -96,7 +97,7 @@ def row_phases(
     local_stats: Any | None = None,
 ) -> tuple[Any | None, Any]:
     """``(dL/dz or None, row losses)`` of a chunk of logits ``z``: ``t`` its dense teacher (or
-    None), ``y`` its labels, ``keep`` its kept-row mask and ``scales`` its ``rowmath.row_scales``
+    None), ``y`` its labels, ``keep`` its kept-row mask and ``scales`` its ``rowmath.grad_scales``
     (made once per call: per chunk they would be a few more small kernels each), ``topk`` its
     ``(log-probs, token ids)``;
     ``local_stats``: the ``stats`` phase's result when the logits GEMM already made it."""
@@ -106,26 +107,26 @@ def row_phases(
         local_stats = phases.stats(z, stats_teacher(t, loss), y_local, loss, tile)
     stats = layout.combine_stats(local_stats)
     kind = loss.kind
-    value_sums = None
+    soft_sums = None
     if kind == "jsd":
-        value_sums = layout.vocab_sum(phases.value(z, t, stats, loss, tile))  # reads lse, lse_teacher
+        soft_sums = layout.vocab_sum(phases.mixture_sums(z, t, stats, loss, tile))  # reads lse, lse_teacher
     elif kind == "reverse":  # R came with the statistics
-        value_sums = rowmath.reverse_sums(stats, loss, xp)
+        soft_sums = rowmath.reverse_sums(stats, loss, xp)
     topk_const = None
     if topk is not None:
         soft, topk_const, at, g_at, write = topk_part(
             lambda at, _: ops.gather(z, at), topk, y, scales, v0, z.shape[1], stats, loss, v_total, layout, ops
         )
-    coefs = rowmath.coefficients(stats, scales, value_sums, topk_const, loss, xp)
+    coefs = rowmath.coefficients(stats, scales, soft_sums, topk_const, loss, xp)
     if topk is not None and write_grad:
-        z, g_at = ops.settle(z, g_at)
+        z, g_at = ops.materialize(z, g_at)
     g = partial = None
     if write_grad or kind == "forward":
         g, partial = phases.finish(z, t, y_local, coefs, loss, v_total, tile, write_grad)
     if kind == "forward":
         soft = layout.vocab_sum(partial)
     elif topk is None:
-        soft = rowmath.soft_rows(kind, value_sums, loss.beta) if loss.soft else None
+        soft = rowmath.soft_rows(kind, soft_sums, loss.beta) if loss.soft else None
     if topk is not None and write_grad:
         g = ops.set_at(g, at, g_at, write)
     labels_ok = True if y is None else (y >= 0) & (y < v_total)

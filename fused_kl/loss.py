@@ -82,7 +82,7 @@ class Loss:
     @property
     def stats_read_teacher(self) -> bool:
         """Whether the ``stats`` phase reads a dense teacher: the log-sum-exp of teacher logits,
-        the forward KL's mass ``K = sum p``, reverse KL's sum ``R`` (``fused_kl.rowmath.REVERSE``).
+        the forward KL's mass ``K = sum p``, reverse KL's sum ``R`` (``fused_kl.rows.Stats.reverse``).
         JSD on probabilities needs none of them: its sums need the student's log-sum-exp first."""
         if self.kind == "coef":
             return False

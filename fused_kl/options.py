@@ -1,4 +1,5 @@
-"""How to run it: options that change speed and memory, never the value computed."""
+"""How to run a call: options that change speed and memory, never the value computed, and which
+gradients it makes."""
 
 from __future__ import annotations
 
@@ -11,9 +12,22 @@ FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 @dataclass(frozen=True)
 class RunOptions:
     """``accum_dtype``: dtype name ``grad_weight`` is accumulated in (None: the weight's);
-    ``chunk_size``: rows per chunk (None: ``fused_kl.plan``'s heuristic); ``backend``: a
-    concrete backend name of the calling framework's registry."""
+    ``chunk_size``: rows per chunk (None: ``fused_kl.plan``'s heuristic). The backend travels
+    beside them, resolved into its framework's ``Backend`` value."""
 
     accum_dtype: str | None = None
     chunk_size: int | None = None
-    backend: str = "auto"
+
+
+@dataclass(frozen=True)
+class Needs:
+    """Which gradients a call computes (both drivers, both bridges, both autograd layers); all
+    False computes the loss alone. A frozen head (``weight=False``) costs no ``grad_weight`` GEMM."""
+
+    x: bool = False
+    weight: bool = False
+    bias: bool = False
+
+    @property
+    def any(self) -> bool:
+        return self.x or self.weight or self.bias

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 # Rows per chunk are chosen so that one chunk of logits takes about this many bytes:
 # large enough that the three GEMMs of a chunk run near their peak rate, small enough that
-# the chunk buffer stays far below the gradients' size (see benchmarks/RESULTS-2026-12-01.md).
+# the chunk buffer stays far below the gradients' size (docs/design-notes.md, chunks and blocks).
 CHUNK_BYTES = 768 << 20
 # GEMM-friendly granularity of the row count.
 ROW_MULTIPLE = 256
@@ -14,7 +14,7 @@ ROW_MULTIPLE = 256
 # each block's row phases run before the next block's GEMM overwrites its buffer: the chunk keeps
 # all its rows, so its ``grad_weight`` GEMM stays deep (on the H200 one 1536 rows deep took 1.15x
 # the unchunked GEMM, one 3072 deep 1.05x), while the two buffers stay under 1 GiB
-# (benchmarks/RESULTS-2026-12-02-blocks.md).
+# (docs/design-notes.md).
 TEACHER_BLOCK_BYTES = 256 << 20
 # The row kernels walk a row in tiles of at most MAX_BLOCK_V columns (fp32 registers per
 # program), seen as [MAX_BLOCK_V / TILE_COLS, TILE_COLS]: sums and maxima along the TILE_COLS

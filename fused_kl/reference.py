@@ -15,8 +15,12 @@ Whole ``[N, V]`` logits, no chunks, no online softmax; torch float64 ops, gradie
             (q_t as the sum of q off S; p_t and q_t floored at eps inside the logs)
       renormalize sum_S p^ (log p^ - log q), p^ = p / P;   drop sum_S p (log p - log q)
     hard = cross_entropy(z~, labels, label_smoothing) at temperature 1, per kept row
-    loss = weight_soft_loss * soft / (n | 1 | n V) + weight_hard_loss * hard / (n | 1 | n)
-           for reduction batchmean | sum | mean, n = kept rows; n == 0: everything exactly 0.
+    zsq  = lse(z~)**2, the z-loss, at temperature 1, per kept row
+    row_i = weight_soft_loss * soft_i + weight_hard_loss * hard_i + z_loss_weight * zsq_i   (0 if ignored)
+    loss = sum_i w_i (weight_soft_loss * soft_i / (n | 1 | n V) + (weight_hard_loss * hard_i
+           + z_loss_weight * zsq_i) / (n | 1 | n))
+           for reduction batchmean | sum | mean, n = kept rows, w = row_weight (1 if None);
+           n == 0: everything exactly 0. ``return_row_losses`` adds ``row_i`` (unweighted, unnormalised).
 
 Importing this module does not import torch; calling it does. Inputs are NumPy arrays (or
 anything ``np.asarray`` takes) or torch tensors of any float dtype and device; the gradients come
@@ -37,6 +41,7 @@ class Expected:
     grad_x: Any
     grad_weight: Any
     grad_bias: Any | None
+    row_losses: Any | None = None  # shaped like the rows, float64; only when asked for
 
 
 def _to(a: Any, device: Any, dtype: Any) -> Any:
@@ -93,9 +98,11 @@ def reference(
     weight_hard_loss: float = 0.0, weight_soft_loss: float = 1.0, label_smoothing: float = 0.0,
     logit_scale: float = 1.0, softcap: float | None = None, teacher_weight: Any = None, teacher_bias: Any = None,
     target_indices: Any = None, topk_tail: str = "bin", teacher_logit_scale: float = 1.0,
-    teacher_softcap: float | None = None,
+    teacher_softcap: float | None = None, row_weight: Any = None, return_row_losses: bool = False,
+    z_loss_weight: float = 0.0,
 ) -> Expected:
-    """Loss and gradients of the contract's loss in float64 (see the module docstring for the math)."""
+    """Loss and gradients of the contract's loss in float64 (see the module docstring for the math);
+    with ``return_row_losses``, each row's unweighted, unnormalised loss too."""
     import torch
 
     if reduction not in ("batchmean", "sum", "mean"):
@@ -113,17 +120,26 @@ def reference(
     lab = None if labels is None else _to(labels, dev, torch.int64).reshape(-1)
     keep = torch.ones(rows, dtype=torch.bool, device=dev) if lab is None else lab != ignore_index
     n = int(keep.sum())
+    rw = torch.ones(rows, dtype=f64, device=dev) if row_weight is None else _to(row_weight, dev, f64).reshape(-1)
+    if rw.shape != (rows,):
+        raise ValueError(f"row_weight: expected {rows} values, one per row, got shape {tuple(rw.shape)}")
+    row_losses = torch.zeros(rows, dtype=f64, device=dev)
 
     def out(a: Any) -> Any:
         return a if on_torch else a.cpu().numpy()
 
+    def per_row() -> Any:
+        return out(row_losses.detach().reshape(xt.shape[:-1])) if return_row_losses else None
+
     if n == 0:
         zeros = [out(torch.zeros_like(a)) for a in (xt, w)]
-        return Expected(0.0, *zeros, None if b is None else out(torch.zeros_like(b)))
+        return Expected(0.0, *zeros, None if b is None else out(torch.zeros_like(b)), per_row())
 
     z = x2 @ w.T if b is None else x2 @ w.T + b
     zk = _transform(z, logit_scale, softcap)[keep]  # all rows enter the GEMMs, kept rows the loss
     loss = torch.zeros((), dtype=f64, device=dev)
+    wk = rw[keep]
+    kept_rows = torch.zeros(n, dtype=f64, device=dev)  # each kept row's unweighted, unnormalised loss
     if target is not None:
         log_q = torch.log_softmax(zk / temperature, dim=-1)
         t = _to(target, dev, f64)
@@ -148,10 +164,12 @@ def reference(
             else:
                 raise ValueError(f"target_format: unknown {target_format!r}")
             rowsum = _divergence(p, log_p, log_q, beta)
-        soft = rowsum.sum() / {"batchmean": n, "sum": 1, "mean": n * v}[reduction]
+        soft = (wk * rowsum).sum() / {"batchmean": n, "sum": 1, "mean": n * v}[reduction]
         loss = loss + weight_soft_loss * soft
+        kept_rows = kept_rows + weight_soft_loss * rowsum
     elif weight_soft_loss != 0:
         raise ValueError("target: required when weight_soft_loss != 0")
+    hard_rows = torch.zeros(n, dtype=f64, device=dev)
     if weight_hard_loss != 0:
         if lab is None:
             raise ValueError("labels: required when weight_hard_loss > 0")
@@ -161,23 +179,31 @@ def reference(
         log_q1 = torch.log_softmax(zk, dim=-1)
         nll = -log_q1.gather(1, y[:, None]).squeeze(1)
         rowce = (1 - label_smoothing) * nll - label_smoothing / v * log_q1.sum(-1)
-        loss = loss + weight_hard_loss * rowce.sum() / (1 if reduction == "sum" else n)
+        hard_rows = hard_rows + weight_hard_loss * rowce
+    if z_loss_weight != 0:
+        hard_rows = hard_rows + z_loss_weight * torch.logsumexp(zk, dim=-1) ** 2
+    loss = loss + (wk * hard_rows).sum() / (1 if reduction == "sum" else n)
+    row_losses[keep] = (kept_rows + hard_rows).detach()
     if loss.requires_grad:
         grads = torch.autograd.grad(loss, leaves)
     else:
         grads = tuple(torch.zeros_like(a) for a in leaves)
-    return Expected(float(loss.detach()), out(grads[0]), out(grads[1]), None if b is None else out(grads[2]))
+    grad_b = None if b is None else out(grads[2])
+    return Expected(float(loss.detach()), out(grads[0]), out(grads[1]), grad_b, per_row())
 
 
 def reference_cross_entropy(
     x: Any, weight: Any, labels: Any, *, bias: Any = None, reduction: str = "mean", ignore_index: int = -100,
-    label_smoothing: float = 0.0, logit_scale: float = 1.0, softcap: float | None = None,
+    label_smoothing: float = 0.0, logit_scale: float = 1.0, softcap: float | None = None, row_weight: Any = None,
+    return_row_losses: bool = False, z_loss_weight: float = 0.0,
 ) -> Expected:
-    """``torch.nn.functional.cross_entropy`` on the transformed logits z~ ("mean": over kept rows; n == 0: 0)."""
+    """``torch.nn.functional.cross_entropy`` on the transformed logits z~ ("mean": over kept rows; n == 0: 0),
+    plus the z-loss; row weights and per-row losses as :func:`reference`'s."""
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction: expected 'mean' or 'sum', got {reduction!r}")
     return reference(
         x, weight, None, labels, bias=bias, reduction=reduction, ignore_index=ignore_index,
         weight_hard_loss=1.0, weight_soft_loss=0.0, label_smoothing=label_smoothing,
-        logit_scale=logit_scale, softcap=softcap,
+        logit_scale=logit_scale, softcap=softcap, row_weight=row_weight, return_row_losses=return_row_losses,
+        z_loss_weight=z_loss_weight,
     )

@@ -1,13 +1,13 @@
 """Per-row math between the kernel phases, written once for both frameworks (``xp`` is
 ``torch`` or ``jax.numpy``; operators and same-named functions only).
 
-The row kernels exchange per-row float32 columns with the driver:
+The row kernels exchange per-row float32 columns with the driver, laid out as ``fused_kl.rows``
+names them:
 
-* ``stats`` (phase 1) gives ``STATS``: three log-sum-exps, combined across vocabulary shards
-  with a log-sum-exp, three sums, combined with a sum, and reverse KL's part ``rho`` of the
-  slice, combined with the slices' softmax weights (:func:`combine_stats`);
-* :func:`coefficients` turns them (and JSD's phase 2 sums) into ``COEFS``, which ``finish``
-  (phase 3) reads to write ``dL/dz``;
+* ``stats`` (phase 1) gives ``Stats``, combined across vocabulary shards as ``rows.BY_LSE`` and
+  ``rows.BY_SUM`` say (:func:`combine_stats`);
+* :func:`coefficients` turns them (and reverse KL's or JSD's ``MixtureSums``) into ``Coefs``,
+  which ``finish`` (phase 3) reads to write ``dL/dz``;
 * :func:`row_losses` assembles each row's loss; :func:`topk` does the top-k teacher's part,
   whose ``[rows, k]`` arrays are too small for a kernel of their own.
 """
@@ -15,19 +15,11 @@ The row kernels exchange per-row float32 columns with the driver:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from . import terms
 from .loss import Loss
-
-STATS = ("lse", "lse_hard", "lse_teacher", "mass", "logit_sum", "label_logit", "reverse")
-N_LSE = 3  # the first three are log-sum-exps
-# Reverse KL's sum R = sum q (log q - log p) made in the stats pass, online like a log-sum-exp: over
-# a slice of the row, rho = sum softmax(a)_j (a_j - lse - b_j) with b = log p, or for teacher
-# logits their g(t) / T_t (log p before its log-sum-exp, still unknown): R = rho (+ lse_teacher).
-# With a running max m, l = sum exp(a - m) and u = sum exp(a - m) (a - m - b), rho = u / l - log l.
-REVERSE = 6
-COEFS = ("lse", "lse_hard", "lse_teacher", "row_const", "soft_scale", "hard_scale")
+from .rows import BY_LSE, BY_SUM, MIXTURE_SUMS, STATS, Coefs, MixtureSums, columns
 
 
 def reduction_scale(kept: Any, reduction: str, v: int) -> Any:
@@ -54,85 +46,107 @@ def float16_unscale(scale: Any, xp: Any) -> Any:
     return xp.exp2(xp.clip(xp.floor(xp.log2(scale)), -14.0, 0.0))
 
 
-def scales(kept: Any, loss: Loss, v_total: int, float16: bool, xp: Any) -> tuple[Any, Any, Any]:
-    """``(soft row weight, hard row weight, c)``: what a kept row's soft and hard losses are
-    multiplied by in the total (weights included), and the float16 storage divisor ``c`` of
-    ``dL/dz`` (None unless float16: no multiply-by-1 pass over the gradients)."""
+class LossWeights(NamedTuple):
+    """What a kept row's soft and hard losses are multiplied by in the total (the reduction and
+    the loss weights), and ``unscale``, the float16 storage divisor ``c`` of ``dL/dz`` (None
+    unless float16: no multiply-by-1 pass over the gradients)."""
+
+    soft: Any
+    hard: Any
+    unscale: Any
+
+
+def loss_weights(kept: Any, loss: Loss, v_total: int, float16: bool, xp: Any) -> LossWeights:
+    """The :class:`LossWeights` of a call whose kept rows number ``kept`` (float32)."""
     soft = reduction_scale(kept, loss.reduction, v_total) * loss.weight_soft
     hard = reduction_scale(kept, "sum" if loss.reduction == "sum" else "batchmean", v_total) * loss.weight_hard
     if not float16:
-        return soft, hard, None
-    return soft, hard, float16_unscale(xp.maximum(soft, hard), xp)
+        return LossWeights(soft, hard, None)
+    return LossWeights(soft, hard, float16_unscale(xp.maximum(soft, hard), xp))
+
+
+def _shifted(lses: Any, reduce_max: Callable[[Any], Any], xp: Any) -> tuple[Any, Any]:
+    """``(m, exp(lses - m))``: the slices' common max (0 where every slice is empty) and their
+    exponentials shifted by it."""
+    m = reduce_max(lses)
+    safe = xp.where(xp.isfinite(m), m, 0.0)
+    return safe, xp.exp(lses - safe)
 
 
 def combine_lse(lses: Any, reduce_max: Callable[[Any], Any], reduce_sum: Callable[[Any], Any], xp: Any) -> Any:
     """Log-sum-exps of vocabulary slices combined into the whole row's (one max, one sum)."""
-    m = reduce_max(lses)
-    safe = xp.where(xp.isfinite(m), m, 0.0)
-    return safe + xp.log(reduce_sum(xp.exp(lses - safe)))
+    safe, w = _shifted(lses, reduce_max, xp)
+    return safe + xp.log(reduce_sum(w))
 
 
 def combine_stats(stats: Any, reduce_max: Callable[[Any], Any], reduce_sum: Callable[[Any], Any], xp: Any) -> Any:
-    """Vocabulary slices' ``STATS`` (last axis) combined into the whole row's with one max and one
-    sum (collectives across shards, or reductions over segments): log-sum-exps by a log-sum-exp,
-    sums by a sum, ``reverse`` by the slices' softmax weights ``exp(lse_j - lse)``."""
-    n, r = N_LSE, REVERSE
-    lses = stats[..., :n]
-    m = reduce_max(lses)
-    safe = xp.where(xp.isfinite(m), m, 0.0)
-    w = xp.exp(lses - safe)
-    w0 = w[..., :1]  # an empty slice (w0 = 0) has no rho: 0, not 0 * NaN
-    rho = xp.where(w0 > 0, w0 * (stats[..., r:] + lses[..., :1] - safe[..., :1]), 0.0)
-    sums = reduce_sum(xp.concatenate([w, stats[..., n:r], rho], axis=-1))
-    s0 = sums[..., :1]
-    rho = xp.where(s0 > 0, sums[..., r:] / xp.where(s0 > 0, s0, 1.0) - xp.log(s0), 0.0)
-    return xp.concatenate([safe + xp.log(sums[..., :n]), sums[..., n:r], rho], axis=-1)
+    """Vocabulary slices' ``Stats`` (last axis) combined into the whole row's with one max and one
+    sum (collectives across shards, or reductions over segments): ``rows.BY_LSE`` by a
+    log-sum-exp, ``rows.BY_SUM`` by a sum, ``reverse`` by the slices' softmax weights
+    ``exp(lse_j - lse)``."""
+    lse_at, sum_at, rev = list(BY_LSE), list(BY_SUM), STATS.reverse
+    own = BY_LSE.index(STATS.lse)  # the student's log-sum-exp, whose softmax weighs rho
+    lses = stats[..., lse_at]
+    safe, w = _shifted(lses, reduce_max, xp)
+    w0 = w[..., own : own + 1]  # an empty slice (w0 = 0) has no rho: 0, not 0 * NaN
+    rho = xp.where(w0 > 0, w0 * (stats[..., rev : rev + 1] + lses[..., own : own + 1] - safe[..., own : own + 1]), 0.0)
+    sums = reduce_sum(xp.concatenate([w, stats[..., sum_at], rho], axis=-1))
+    n, k = len(lse_at), len(sum_at)
+    s0 = sums[..., own : own + 1]
+    rho = xp.where(s0 > 0, sums[..., n + k :] / xp.where(s0 > 0, s0, 1.0) - xp.log(s0), 0.0)
+    lse = safe + xp.log(sums[..., :n])
+    combined = dict(zip(lse_at, (lse[..., j] for j in range(n)), strict=True))
+    combined |= dict(zip(sum_at, (sums[..., n + j] for j in range(k)), strict=True))
+    combined[rev] = rho[..., 0]
+    return xp.stack([combined[at] for at in STATS], -1)
 
 
 def reverse_sums(stats: Any, loss: Loss, xp: Any) -> Any:
-    """Reverse KL's ``(R, 0)`` per row from the combined ``STATS``, in the shape of JSD's phase 2."""
-    r = stats[:, REVERSE]
+    """Reverse KL's ``MixtureSums`` per row from the combined ``Stats``: ``R`` as the student's
+    (JSD's ``B`` with ``m = p``), 0 as the teacher's."""
+    r = stats[:, STATS.reverse]
     if loss.teacher.has_logits:  # type: ignore[union-attr]
-        r = r + stats[:, 2]
-    return xp.stack([r, r * 0.0], -1)
+        r = r + stats[:, STATS.lse_teacher]
+    return xp.stack(MixtureSums(teacher=r * 0.0, student=r), -1)
 
 
 def label_logit(z: Any, y: Any, loss: Loss, gather: Callable[[Any, Any], Any], xp: Any) -> Any:
     """``f(z_y)`` of each row whose label ``y`` lies in this slice of ``z``'s columns, else 0:
-    the ``label_logit`` column of ``STATS``. ``gather(z, at)`` is ``z[i, at[i, j]]`` in float32."""
+    the ``label_logit`` column of ``Stats``. ``gather(z, at)`` is ``z[i, at[i, j]]`` in float32."""
     inside = (y >= 0) & (y < z.shape[1])
     z_y = gather(z, xp.where(inside, y, 0)[:, None])[:, 0]
     return xp.where(inside, terms.transform(z_y, loss.logit_scale, loss.softcap, xp), 0.0)
 
 
-def row_scales(keep: Any, weights: tuple[Any, Any, Any], loss: Loss, xp: Any) -> tuple[Any, Any]:
+def grad_scales(keep: Any, weights: LossWeights, loss: Loss, xp: Any) -> tuple[Any, Any]:
     """``(c_soft, c_hard)`` per row: what ``dsoft/da`` and ``dhard/df`` are multiplied by in
     ``dL/dz`` as stored (the float16 divisor included); 0 on ignored rows."""
-    soft_w, hard_w, unscale = weights
-    store = 1.0 if unscale is None else 1.0 / unscale
-    return xp.where(keep, soft_w * store / loss.temperature, 0.0), xp.where(keep, hard_w * store, 0.0)
+    store = 1.0 if weights.unscale is None else 1.0 / weights.unscale
+    soft = xp.where(keep, weights.soft * store / loss.temperature, 0.0)
+    return soft, xp.where(keep, weights.hard * store, 0.0)
 
 
 def coefficients(
     stats: Any,
     scales: tuple[Any, Any],
-    value_sums: Any | None,
+    soft_sums: Any | None,
     topk_const: Any | None,
     loss: Loss,
     xp: Any,
 ) -> Any:
-    """``COEFS`` per row, from the combined ``STATS``, the rows' :func:`row_scales`, the value
-    sums (reverse KL: ``R``, :func:`reverse_sums`; JSD: phase 2's ``B``) and the top-k dense factor."""
+    """``Coefs`` per row, from the combined ``Stats``, the rows' :func:`grad_scales`, their
+    ``MixtureSums`` (reverse KL: :func:`reverse_sums`; JSD: its ``mixture_sums`` phase) and the
+    top-k dense factor."""
+    s = columns(STATS, stats)
     kind = loss.kind
     if kind == "forward":
-        k = stats[:, 3] if loss.teacher.dense_format != "logits" else xp.ones_like(stats[:, 3])  # type: ignore[union-attr]
-    elif kind == "reverse":
-        k = value_sums[:, 0]
-    elif kind == "jsd":
-        k = value_sums[:, 1]
+        k = s.mass if loss.teacher.dense_format != "logits" else xp.ones_like(s.mass)  # type: ignore[union-attr]
+    elif kind in ("reverse", "jsd"):
+        k = soft_sums[:, MIXTURE_SUMS.student]  # type: ignore[index]
     else:
-        k = xp.zeros_like(stats[:, 3]) if topk_const is None else topk_const
-    return xp.stack([stats[:, 0], stats[:, 1], stats[:, 2], k, *scales], -1)
+        k = xp.zeros_like(s.mass) if topk_const is None else topk_const
+    coefs = Coefs(s.lse, s.lse_hard, s.lse_teacher, soft_const=k, soft_scale=scales[0], hard_scale=scales[1])
+    return xp.stack(coefs, -1)
 
 
 def row_losses(
@@ -140,25 +154,26 @@ def row_losses(
     keep: Any,
     labels_ok: Any,
     soft_rows: Any,
-    weights: tuple[Any, Any, Any],
+    weights: LossWeights,
     loss: Loss,
     v_total: int,
     xp: Any,
 ) -> Any:
     """Each row's share of the loss: ``w_soft s soft_i + w_hard s_hard hard_i``, 0 if ignored,
     NaN where a kept label of the hard term lies outside the vocabulary."""
-    soft_w, hard_w, _ = weights
-    total = soft_rows * soft_w if loss.soft else stats[:, 0] * 0.0
+    s = columns(STATS, stats)
+    total = soft_rows * weights.soft if loss.soft else s.lse * 0.0
     if loss.hard:
         ls = loss.label_smoothing
-        hard = stats[:, 1] - (1.0 - ls) * stats[:, 5] - (ls / v_total) * stats[:, 4]
-        total = total + xp.where(labels_ok, hard, float("nan")) * hard_w
+        hard = s.lse_hard - (1.0 - ls) * s.label_logit - (ls / v_total) * s.logit_sum
+        total = total + xp.where(labels_ok, hard, float("nan")) * weights.hard
     return xp.where(keep, total, 0.0)
 
 
-def soft_rows(kind: str, value_sums: Any, beta: float) -> Any:
-    """Reverse KL's or JSD's soft loss of each row, from its ``value_sums`` (``R``; ``A, B``)."""
-    return value_sums[:, 0] if kind == "reverse" else beta * value_sums[:, 0] + (1.0 - beta) * value_sums[:, 1]
+def soft_rows(kind: str, soft_sums: Any, beta: float) -> Any:
+    """Reverse KL's or JSD's soft loss of each row, from its ``MixtureSums`` (``R``; ``A, B``)."""
+    m = columns(MIXTURE_SUMS, soft_sums)
+    return m.student if kind == "reverse" else beta * m.teacher + (1.0 - beta) * m.student
 
 
 def topk(
@@ -166,8 +181,8 @@ def topk(
     local: Any,
     t: Any,
     is_label: Any,
-    coefs_lse: tuple[Any, Any],
-    scale: tuple[Any, Any],
+    lses: tuple[Any, Any],
+    scales: tuple[Any, Any],
     loss: Loss,
     v_total: int,
     vocab_sum: Callable[[Any], Any],
@@ -178,7 +193,7 @@ def topk(
     ``z_at`` are the student's raw logits at the row's tokens (valid where ``local``: the token
     lies in this vocabulary slice), ``t`` the teacher's log-probabilities (``-inf``: padding, not
     part of the support ``S``),
-    ``coefs_lse`` the rows' ``(lse, lse_hard)``, ``scale`` their :func:`row_scales`.
+    ``lses`` the rows' ``(lse, lse_hard)``, ``scales`` their :func:`grad_scales`.
     With ``P = sum p`` and ``Q = sum q`` over the tokens, ``dL/da_j = K q_j + (r q_j - p'_j) 1[j in S]``:
 
       bin          K = P - r Q,  r = p_t / q_t  (p_t = max(1 - P, 0), q_t = 1 - Q; r = 0 if q_t <= eps)
@@ -188,8 +203,8 @@ def topk(
     teacher = loss.teacher
     eps = teacher.eps  # type: ignore[union-attr]
     tail = teacher.topk_tail  # type: ignore[union-attr]
-    lse, lse_h = coefs_lse
-    soft_scale, hard_scale = scale
+    lse, lse_h = lses
+    soft_scale, hard_scale = scales
     f = terms.transform(z_at, loss.logit_scale, loss.softcap, xp)
     log_q = f / loss.temperature - lse[:, None]
     q = xp.where(local, xp.exp(log_q), 0.0)

@@ -87,7 +87,7 @@ def _log_mix(p: Any, q: Any, beta: float, xp: Any) -> tuple[Any, Any]:
 
 
 def reverse_term(q: Any, log_q: Any, b: Any) -> Any:
-    """Reverse KL's summand ``q (log_q - b)`` (``fused_kl.rowmath.REVERSE``: ``b`` is ``log_p`` up
+    """Reverse KL's summand ``q (log_q - b)`` (``fused_kl.rows.Stats.reverse``: ``b`` is ``log_p`` up
     to the teacher logits' log-sum-exp)."""
     return q * (log_q - b)
 

@@ -13,6 +13,7 @@ from typing import Any
 from . import rowmath, terms
 from .chunk import ChunkOps
 from .loss import Loss
+from .rows import COEFS, STATS, Coefs, MixtureSums, Stats
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,7 @@ def _teacher(t: Any, rows: int, loss: Loss, lse_t: Any, ops: RowOps) -> tuple[An
 
 
 def stats(z: Any, t: Any | None, y: Any | None, loss: Loss, ops: RowOps) -> Any:
-    """``fused_kl.rowmath.STATS`` of each row of the chunk (local to this vocabulary slice)."""
+    """``fused_kl.rows.Stats`` of each row of the chunk (local to this vocabulary slice)."""
     xp, rows = ops.chunk.xp, z.shape[0]
     f = _student(z, loss, ops)
     lse = ops.lse(f / loss.temperature)
@@ -59,16 +60,16 @@ def stats(z: Any, t: Any | None, y: Any | None, loss: Loss, ops: RowOps) -> Any:
     if y is not None:
         logit_sum = f.sum(-1)
         label_logit = rowmath.label_logit(z, y, loss, ops.chunk.gather, xp)
-    return xp.stack([lse, lse_h, lse_t, mass, logit_sum, label_logit, rho], -1)
+    return xp.stack(Stats(lse, lse_h, lse_t, mass, logit_sum, label_logit, rho), -1)
 
 
-def value(z: Any, t: Any, stats: Any, loss: Loss, ops: RowOps) -> Any:
-    """Phase 2 (JSD): each row's sums of ``fused_kl.terms.jsd_terms``."""
+def mixture_sums(z: Any, t: Any, stats: Any, loss: Loss, ops: RowOps) -> Any:
+    """Phase 2 (JSD): each row's ``fused_kl.rows.MixtureSums``, of ``fused_kl.terms.jsd_terms``."""
     xp = ops.chunk.xp
-    log_q = _student(z, loss, ops) / loss.temperature - stats[:, :1]
-    p, log_p = _teacher(t, z.shape[0], loss, stats[:, 2], ops)
+    log_q = _student(z, loss, ops) / loss.temperature - stats[:, STATS.lse, None]
+    p, log_p = _teacher(t, z.shape[0], loss, stats[:, STATS.lse_teacher], ops)
     a, b = terms.jsd_terms(xp.exp(log_q), log_q, p, log_p, loss.beta, xp)
-    return xp.stack([a.sum(-1), b.sum(-1)], -1)
+    return xp.stack(MixtureSums(teacher=a.sum(-1), student=b.sum(-1)), -1)
 
 
 def finish(
@@ -76,21 +77,22 @@ def finish(
 ) -> tuple[Any | None, Any]:
     """Phase 3: ``(dL/dz or None, the rows' forward-KL sums)``; ``dL/dz`` through ``ops.write``."""
     xp = ops.chunk.xp
+    row = Coefs(*(coefs[:, at, None] for at in COEFS))  # each [rows, 1], against the row's columns
     f = _student(z, loss, ops)
-    log_q = f / loss.temperature - coefs[:, :1]
+    log_q = f / loss.temperature - row.lse
     q = xp.exp(log_q)
-    partial = xp.zeros_like(coefs[:, 0])
+    partial = xp.zeros_like(coefs[:, COEFS.lse])
     p = log_p = q
     if t is not None:
-        p, log_p = _teacher(t, z.shape[0], loss, coefs[:, 2], ops)
+        p, log_p = _teacher(t, z.shape[0], loss, coefs[:, COEFS.lse_teacher], ops)
         if loss.kind == "forward":
             partial = terms.forward_term(p, log_p, log_q, xp).sum(-1)
     if not write_grad:
         return None, partial
-    g = coefs[:, 4:5] * terms.soft_direction(loss.kind, q, log_q, p, log_p, coefs[:, 3:4], loss.beta, xp)
+    g = row.soft_scale * terms.soft_direction(loss.kind, q, log_q, p, log_p, row.soft_const, loss.beta, xp)
     if loss.hard:
         is_label = ops.columns(f)[None, :] == y[:, None]  # type: ignore[index]
-        g = g + coefs[:, 5:6] * terms.hard_direction(f, coefs[:, 1:2], is_label, loss, v_total, xp)
-    live = (coefs[:, 4:5] != 0) | (coefs[:, 5:6] != 0)  # ignored rows: exactly 0, never NaN
+        g = g + row.hard_scale * terms.hard_direction(f, row.lse_hard, is_label, loss, v_total, xp)
+    live = (row.soft_scale != 0) | (row.hard_scale != 0)  # ignored rows: exactly 0, never NaN
     g = xp.where(live, g * terms.slope(ops.chunk.f32(z), loss.logit_scale, loss.softcap, xp), 0.0)
     return ops.write(z, g), partial

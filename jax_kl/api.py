@@ -13,9 +13,9 @@ from jax.typing import DTypeLike
 from fused_kl.checks import cross_entropy_reduction
 
 from .autograd import fused_linear_loss
-from .backends import compute_of
+from .backends import Backend
 from .layout import Layout
-from .sharding import run_inside, run_sharded, vocab_shards_inside
+from .sharding import run_inside, run_sharded, vma_checked, vocab_shards_inside
 from .teachers import TeacherArrays
 from .validate import validate, widen_indices
 
@@ -23,10 +23,11 @@ from .validate import validate, widen_indices
 def _run(arrays: dict[str, Any], with_teacher: bool, mesh, batch_axis, vocab_axis, options: dict[str, Any]):
     inside = mesh is None and (batch_axis is not None or vocab_axis is not None)
     shards = vocab_shards_inside(batch_axis, vocab_axis) if inside else 1
-    arrays = widen_indices(arrays)
-    shapes, loss, run = validate(
-        arrays, shards, with_teacher=with_teacher, single_device=mesh is None and not inside, **options
-    )
+    shapes, loss, run, backend = validate(
+        arrays, shards, with_teacher=with_teacher, single_device=mesh is None and not inside,
+        check_vma=inside and vma_checked(batch_axis, vocab_axis), **options,
+    )  # fmt: skip
+    arrays = widen_indices(arrays)  # after the checks, which see the caller's dtypes
     n = shapes.n
 
     def rows(name: str, width: int | None):
@@ -49,13 +50,12 @@ def _run(arrays: dict[str, Any], with_teacher: bool, mesh, batch_axis, vocab_axi
     weight = jnp.asarray(arrays["weight"])
     bias = None if arrays.get("bias") is None else jnp.asarray(arrays["bias"])
     labels = rows("labels", None)
-    compute = compute_of(run.backend)
     layout = Layout(batch_axis, vocab_axis)
     if mesh is not None:
-        return run_sharded(mesh, layout, x, weight, bias, teacher, labels, loss, run, compute)
+        return run_sharded(mesh, layout, x, weight, bias, teacher, labels, loss, run, backend)
     if inside:
-        return run_inside(layout, x, weight, bias, teacher, labels, loss, run, compute, options["backend"] == "auto")
-    return fused_linear_loss(x, weight, bias, teacher, labels, loss, run, layout, compute)
+        return run_inside(layout, x, weight, bias, teacher, labels, loss, run, backend)
+    return fused_linear_loss(x, weight, bias, teacher, labels, loss, run, layout, backend)
 
 
 def fused_linear_kl_div(
@@ -73,7 +73,7 @@ def fused_linear_kl_div(
     teacher_temperature: float | None = None,
     accum_dtype: DTypeLike | None = None,
     chunk_size: int | None = None,
-    backend: str = "auto",
+    backend: str | Backend = "auto",
     beta: float = 0.0,
     weight_hard_loss: float = 0.0,
     weight_soft_loss: float = 1.0,
@@ -93,7 +93,8 @@ def fused_linear_kl_div(
     """The distillation loss of the student head ``x @ weight.T (+ bias)`` against a teacher,
     without materialising the ``[N, V]`` logits (docs/contract.md has the full contract).
 
-    The arguments are ``torch_kl.fused_linear_kl_div``'s, with ``mesh``, ``batch_axis`` and
+    The arguments are ``torch_kl.fused_linear_kl_div``'s (``backend``: a name of
+    ``jax_kl.backends.NAMES`` or a value of ``jax_kl.backends.resolve``), with ``mesh``, ``batch_axis`` and
     ``vocab_axis`` for several devices: global arrays sharded over ``mesh`` (``x``:
     ``P(batch_axis, None)``, ``weight``: ``P(vocab_axis, None)``), or, without ``mesh``, the
     local blocks inside the caller's own ``shard_map`` over those axis names. The teacher's
@@ -146,7 +147,7 @@ def fused_linear_cross_entropy(
     softcap: float | None = None,
     accum_dtype: DTypeLike | None = None,
     chunk_size: int | None = None,
-    backend: str = "auto",
+    backend: str | Backend = "auto",
     mesh: jax.sharding.Mesh | None = None,
     batch_axis: str | None = None,
     vocab_axis: str | None = None,

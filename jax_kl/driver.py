@@ -9,6 +9,8 @@ static and the kernels read the target where it lies.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -16,15 +18,17 @@ from jax import lax
 from fused_kl import rowmath
 from fused_kl.chunk import row_phases
 from fused_kl.loss import Loss
-from fused_kl.options import RunOptions
+from fused_kl.options import Needs, RunOptions
 from fused_kl.plan import plan_chunks
 
 from . import teachers
-from .backends import in_place_grad_weight_of, phases_of
 from .gemm import dot
 from .layout import Layout
 from .ops import OPS
 from .teachers import TeacherArrays
+
+if TYPE_CHECKING:
+    from .backends import Backend
 
 
 def _add(acc: jax.Array | None, term: jax.Array) -> jax.Array:
@@ -35,7 +39,7 @@ def _add_grad_weight(acc: jax.Array | None, g: jax.Array, xc: jax.Array, dtype, 
     """``acc + gᵀ x``. XLA (0.11, H200) folds the add into the GEMM (beta = 1) only with its
     Triton GEMMs off (``xla_gpu_enable_triton_gemm=False``, docs/choosing.md); otherwise each
     chunk after the first costs a ``[V, H]`` product buffer and an add pass
-    (benchmarks/RESULTS-2026-12-01.md). Hence the in-place kernel of the Mosaic GPU backends."""
+    (docs/design-notes.md, GEMMs). Hence the in-place kernel of the Mosaic GPU backends."""
     if acc is not None and in_place is not None and in_place.fits(acc, g, xc):
         return in_place.accumulate(acc, g, xc)
     return _add(acc, dot(g, xc, (0, 0), dtype))
@@ -50,29 +54,28 @@ def forward(
     loss: Loss,
     run: RunOptions,
     layout: Layout,
-    with_grads: bool,
+    needs: Needs,
+    backend: Backend,
 ) -> tuple[jax.Array, jax.Array | None, jax.Array | None, jax.Array | None]:
-    """Loss and gradients of 2-D inputs ``x [N, H]``, ``labels [N]`` and a teacher.
-
-    With ``with_grads=False`` only the loss is computed. Gradients nobody uses are dead code
-    that XLA removes (a frozen head costs no ``grad_weight`` GEMM).
+    """Loss and the needed gradients of 2-D inputs ``x [N, H]``, ``labels [N]`` and a teacher,
+    with the kernels of ``backend``: the entry a bridge calls, ``torch_kl.driver.forward``'s
+    signature. A gradient ``needs`` leaves out is None and never made (a frozen head costs no
+    ``grad_weight`` GEMM, through a bridge too).
     """
     n, h = x.shape
     v = weight.shape[0]
     v0, v_total = layout.vocab_start(v), v * layout.vocab_shards
     plan = plan_chunks(n, v, x.dtype.itemsize, run.chunk_size, loss.teacher_head)
-    phases = phases_of(run.backend)
-    in_place = in_place_grad_weight_of(run.backend)
 
     keep = jnp.ones(n, bool) if labels is None else labels != loss.ignore_index
     kept = layout.batch_sum(jnp.sum(keep, dtype=jnp.float32))
-    weights = rowmath.scales(kept, loss, v_total, x.dtype == jnp.float16, jnp)
-    scales = rowmath.row_scales(keep, weights, loss, jnp)
+    weights = rowmath.loss_weights(kept, loss, v_total, x.dtype == jnp.float16, jnp)
+    scales = rowmath.grad_scales(keep, weights, loss, jnp)
     accum = jnp.dtype(run.accum_dtype) if run.accum_dtype else weight.dtype
     row_losses = []
     # Each chunk's rows of grad_x are written into one [N, H] buffer, as torch_kl's driver does:
     # products gathered by a concatenation at the end would all live beside its result.
-    grad_x = jnp.zeros_like(x) if with_grads else None
+    grad_x = jnp.zeros_like(x) if needs.x else None
     grad_w = grad_b = None  # the first chunk's GEMM writes the accumulators: no [V, H] zero fill
     done = kept  # what the previous chunk produced last
     for start, stop in plan.bounds:
@@ -89,32 +92,37 @@ def forward(
         t = teachers.dense_chunk(loss, teacher, start, hidden)
         y = None if labels is None else labels[start:stop]
         topk = None if teacher.indices is None else (teacher.target[start:stop], teacher.indices[start:stop])
+        phases = backend.chunk_phases(z, t)
         g, row_loss = row_phases(z, t, y, keep[start:stop], tuple(s[start:stop] for s in scales), topk, v0, v_total,
-                                 weights, loss, layout, phases, plan.tile, with_grads, OPS)  # fmt: skip
+                                 weights, loss, layout, phases, plan.tile, needs.any, OPS)  # fmt: skip
         row_losses.append(row_loss)
         done = row_loss
-        if with_grads:
+        if needs.x:
             grad_x = lax.dynamic_update_slice(grad_x, dot(g, weight, (1, 0), x.dtype), (start, 0))
-            grad_w = _add_grad_weight(grad_w, g, xc, accum, in_place)
+        if needs.weight:
+            grad_w = _add_grad_weight(grad_w, g, xc, accum, backend.in_place_grad_weight)
+        if needs.bias:
             grad_b = _add(grad_b, jnp.sum(g, axis=0, dtype=jnp.float32))
+        if needs.weight or needs.bias:
             done = (grad_w, grad_b)  # grad_x passes the next barrier itself
 
     total = jnp.sum(jnp.concatenate(row_losses)) if row_losses else jnp.float32(0.0)
-    if not with_grads:
-        return total, None, None, None
-    if grad_w is None:  # no rows
-        grad_w, grad_b = jnp.zeros((v, h), accum), jnp.zeros((v,), jnp.float32)
+    if not plan.bounds:  # no rows
+        grad_w = jnp.zeros((v, h), accum) if needs.weight else None
+        grad_b = jnp.zeros((v,), jnp.float32) if needs.bias else None
 
     def unscaled(grad: jax.Array, dtype) -> jax.Array:
-        if weights[2] is not None:  # float16; exact: a power of two
-            grad = grad * weights[2].astype(grad.dtype)
+        if weights.unscale is not None:  # float16; exact: a power of two
+            grad = grad * weights.unscale.astype(grad.dtype)
         return grad.astype(dtype)
 
-    grad_x = unscaled(grad_x, x.dtype)
-    if layout.vocab_axis is not None and layout.sum_grad_x:
-        grad_x = layout.vocab_sum(grad_x)
-    grad_b = None if bias is None else unscaled(grad_b, bias.dtype)
-    return total, grad_x, unscaled(grad_w, weight.dtype), grad_b
+    if grad_x is not None:
+        grad_x = unscaled(grad_x, x.dtype)
+        if layout.vocab_axis is not None and layout.sum_grad_x:
+            grad_x = layout.vocab_sum(grad_x)
+    grad_w = None if grad_w is None else unscaled(grad_w, weight.dtype)
+    grad_b = None if grad_b is None else unscaled(grad_b, bias.dtype)  # type: ignore[union-attr]
+    return total, grad_x, grad_w, grad_b
 
 
 def _hidden_rows(loss: Loss, teacher: TeacherArrays, start: int, stop: int) -> jax.Array | None:

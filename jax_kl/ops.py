@@ -24,7 +24,7 @@ OPS = ChunkOps(
     gather=lambda z, at: jnp.take_along_axis(z, at, axis=1).astype(jnp.float32),
     set_at=_set_at,
     f32=lambda a: a.astype(jnp.float32),
-    settle=lambda z, values: lax.optimization_barrier((z, values)),
+    materialize=lambda z, values: lax.optimization_barrier((z, values)),
 )
 
 ROW_OPS = RowOps(

@@ -28,24 +28,19 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable
 
 import jax
 from jax import lax
+from jax import shard_map as _shard_map
 from jax.sharding import PartitionSpec as P
 
 from fused_kl.loss import Loss
-from fused_kl.options import RunOptions
+from fused_kl.options import Needs, RunOptions
 
-from .autograd import fused_linear_loss, scale_grad
-from .backends import compute_of
+from .autograd import fused_linear_loss, needs_and_values, scale_grad
+from .backends import Backend, Compute
 from .layout import Layout
 from .teachers import TeacherArrays
-
-try:  # jax >= 0.7
-    from jax import shard_map as _shard_map
-except ImportError:  # pragma: no cover - older jax
-    from jax.experimental.shard_map import shard_map as _shard_map
 
 
 def _names(axis) -> tuple[str, ...]:
@@ -54,9 +49,7 @@ def _names(axis) -> tuple[str, ...]:
 
 def _varying(a) -> frozenset:
     """The mesh axes ``a`` varies over (empty under ``check_vma=False``)."""
-    aval = jax.typeof(a)
-    mat = getattr(aval, "mat", None)
-    return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
+    return frozenset(jax.typeof(a).mat.varying)
 
 
 def vocab_shards_inside(batch_axis, vocab_axis) -> int:
@@ -97,7 +90,7 @@ def _teacher_specs(loss: Loss, teacher: TeacherArrays, b, v) -> TeacherArrays:
 
 def _sharded(
     mesh,
-    inner: Callable,
+    inner: Compute,
     x,
     weight,
     bias,
@@ -106,7 +99,8 @@ def _sharded(
     loss: Loss,
     run: RunOptions,
     layout: Layout,
-    with_grads: bool,
+    needs: Needs,
+    backend: Backend,
 ):
     b, v = layout.batch_axis, layout.vocab_axis
     in_specs = (
@@ -118,22 +112,23 @@ def _sharded(
     )
 
     def local(x, weight, bias, teacher, labels):
-        value, gx, gw, gb = inner(x, weight, bias, teacher, labels, loss, run, layout, with_grads)
+        value, gx, gw, gb = inner(x, weight, bias, teacher, labels, loss, run, layout, needs, backend)
         if b is not None:
             value = lax.psum(value, b)
             gw = None if gw is None else lax.psum(gw, b)
             gb = None if gb is None else lax.psum(gb, b)
         return value, gx, gw, gb
 
-    grads_specs = (P(b, None), P(v, None), None if bias is None else P(v)) if with_grads else (None, None, None)
+    grads_specs = (P(b, None) if needs.x else None, P(v, None) if needs.weight else None, P(v) if needs.bias else None)
     out_specs = (P(), *grads_specs)
     return _shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(
         x, weight, bias, teacher, labels
     )
 
 
-def run_sharded(mesh, layout: Layout, x, weight, bias, teacher, labels, loss: Loss, run: RunOptions, compute):
-    """The loss of global arrays on ``mesh``, under ``custom_vjp``."""
+def run_sharded(mesh, layout: Layout, x, weight, bias, teacher, labels, loss: Loss, run: RunOptions, backend: Backend):
+    """The loss of global arrays on ``mesh``, under ``custom_vjp``: the backend's compute run
+    inside one ``shard_map``."""
     _distinct(layout.batch_axis, layout.vocab_axis)
     sizes = {}
     for name, axis in (("batch_axis", layout.batch_axis), ("vocab_axis", layout.vocab_axis)):
@@ -150,47 +145,41 @@ def run_sharded(mesh, layout: Layout, x, weight, bias, teacher, labels, loss: Lo
                 f"{arg}: {what.format(size)} is not divisible by the {sizes[axis]} devices of {axis} "
                 f"{getattr(layout, axis)!r}"
             )
-    sharded = functools.partial(_sharded, mesh, compute)
+    sharded = dataclasses.replace(backend, compute=functools.partial(_sharded, mesh, backend.compute))
     return fused_linear_loss(x, weight, bias, teacher, labels, loss, run, layout, sharded)
 
 
 # -- inside the caller's shard_map ------------------------------------------------------------
 
 
-def run_inside(layout: Layout, x, weight, bias, teacher, labels, loss: Loss, run: RunOptions, compute, auto: bool):
-    """The global loss from this device's blocks, inside the caller's ``shard_map``. ``auto``: the
-    backend was chosen by ``"auto"`` (then ``"xla"`` replaces ``"pallas"`` under ``check_vma=True``)."""
+def vma_checked(batch_axis, vocab_axis) -> bool:
+    """Whether the caller's ``shard_map`` checks varying axes (``check_vma=True``): the backend
+    is resolved knowing it (``jax_kl.backends.resolve``)."""
+    return any(a in _varying(lax.axis_index(a)) for a in _names(batch_axis) + _names(vocab_axis))
+
+
+def run_inside(layout: Layout, x, weight, bias, teacher, labels, loss: Loss, run: RunOptions, backend: Backend):
+    """The global loss from this device's blocks, inside the caller's ``shard_map``."""
     axes = _names(layout.batch_axis) + _names(layout.vocab_axis)
-    checked = any(a in _varying(lax.axis_index(a)) for a in axes)
-    if checked and run.backend.startswith("pallas"):  # "pallas", "pallas_mosaic", "pallas_triton"
-        if not auto:
-            _refuse_pallas(run.backend)
-        run, compute = dataclasses.replace(run, backend="xla"), compute_of("xla")
+    checked = vma_checked(layout.batch_axis, layout.vocab_axis)
     inputs = tuple(None if a is None else _varying(a) for a in (x, weight, bias))
     local = dataclasses.replace(layout, sum_grad_x=False)
-    return _inside(x, weight, bias, teacher, labels, loss, run, local, compute, (checked, axes, inputs))
-
-
-def _refuse_pallas(backend: str) -> None:
-    raise ValueError(
-        f"backend: {backend!r} cannot run inside a shard_map with check_vma=True (Pallas does not track the "
-        "varying axes of its outputs); pass check_vma=False to shard_map, use mesh= with global arrays, or "
-        "backend='xla'"
-    )
+    return _inside(x, weight, bias, teacher, labels, loss, run, local, backend, (checked, axes, inputs))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
-def _inside(x, weight, bias, teacher, labels, loss, run, layout: Layout, compute, how):
-    return layout.batch_sum(compute(x, weight, bias, teacher, labels, loss, run, layout, False)[0])
+def _inside(x, weight, bias, teacher, labels, loss, run, layout: Layout, backend: Backend, how):
+    return layout.batch_sum(backend.compute(x, weight, bias, teacher, labels, loss, run, layout, Needs(), backend)[0])
 
 
-def _inside_forward(x, weight, bias, teacher, labels, loss, run, layout, compute, how):
-    value, grad_x, grad_w, grad_b = compute(x, weight, bias, teacher, labels, loss, run, layout, True)
+def _inside_forward(x, weight, bias, teacher, labels, loss, run, layout, backend, how):
+    needs, arrays = needs_and_values(x, weight, bias, teacher, labels, backend)
+    value, grad_x, grad_w, grad_b = backend.compute(*arrays, loss, run, layout, needs, backend)
     return layout.batch_sum(value), (grad_x, grad_w, grad_b)
 
 
-def _inside_backward(loss, run, layout, compute, how, res, ct):
-    del loss, run, layout, compute
+def _inside_backward(loss, run, layout, backend, how, res, ct):
+    del loss, run, layout, backend
     checked, axes, inputs = how
     if not checked:
         ct = lax.psum(ct, axes)
@@ -207,4 +196,4 @@ def _inside_backward(loss, run, layout, compute, how, res, ct):
     return (*grads, None, None)
 
 
-_inside.defvjp(_inside_forward, _inside_backward)
+_inside.defvjp(_inside_forward, _inside_backward, symbolic_zeros=True)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,6 +13,7 @@ from fused_kl.checks import (
     check_int32_ignore_index,
     check_options,
     check_value_summary,
+    target_values_checked,
     value_summary,
     widened_index_dtype,
 )
@@ -22,6 +21,7 @@ from fused_kl.loss import Loss
 from fused_kl.options import RunOptions
 
 from . import backends
+from .backends import Backend
 
 
 def _kind(dtype: np.dtype) -> str:
@@ -50,19 +50,23 @@ def _concrete(a: object) -> bool:
     return a is not None and not isinstance(a, jax.core.Tracer)
 
 
-def check_values(loss: Loss, labels: object, indices: object, v_total: int) -> None:
-    """Value checks of labels (hard term) and top-k indices where the values are concrete
-    (outside ``jit``); under ``jit`` a bad row's loss is NaN instead."""
+def check_values(loss: Loss, labels: object, indices: object, v_total: int, target: object = None) -> None:
+    """Value checks of labels (hard term), top-k indices and the teacher's sign
+    (``fused_kl.checks.target_values_checked``) where the values are concrete (outside ``jit``);
+    under ``jit`` a bad row's loss is NaN instead, and the teacher's values are not checked."""
     check_labels = bool(loss.hard and _concrete(labels) and np.size(labels))
     check_indices = bool(_concrete(indices) and np.size(indices))
+    check_target = bool(target_values_checked(loss) and _concrete(target) and np.size(target))
     parts = value_summary(
         np.asarray(labels) if check_labels else None,
         np.asarray(indices) if check_indices else None,
         loss.ignore_index,
         lambda a: np.sort(a, axis=-1),
         np,
+        np.asarray(target) if check_target else None,
+        loss.teacher.format if check_target else "probs",  # type: ignore[union-attr]
     )
-    check_value_summary([int(p) for p in parts], loss, check_labels, check_indices, v_total)
+    check_value_summary([int(p) for p in parts], loss, check_labels, check_indices, v_total, check_target)
 
 
 def widen_indices(arrays: dict[str, object]) -> dict[str, object]:
@@ -84,10 +88,13 @@ def validate(
     accum_dtype: object,
     with_teacher: bool = True,
     single_device: bool = True,
+    check_vma: bool = False,
     **options: object,
-) -> tuple[Shapes, Loss, RunOptions]:
-    """Check every argument; return the problem's sizes, the loss and the run options.
-    ``vocab_shards`` is the number of vocabulary slices ``weight`` is one of."""
+) -> tuple[Shapes, Loss, RunOptions, Backend]:
+    """Check every argument; return the problem's sizes, the loss, the run options and the
+    backend resolved (``backends.resolve``: the value everything after runs). ``vocab_shards``
+    is the number of vocabulary slices ``weight`` is one of; ``check_vma``: the call runs inside
+    a ``shard_map`` that checks varying axes."""
     if accum_dtype is not None:
         try:
             accum_dtype = np.dtype(accum_dtype).name
@@ -97,7 +104,7 @@ def validate(
             ) from None
     backend = options.pop("backend")
     loss, run = check_options(**options, accum_dtype=accum_dtype, with_teacher=with_teacher)  # type: ignore[arg-type]
-    chosen = backends.resolve(backend)
+    chosen = backends.resolve(backend, check_vma=check_vma)
     weight = arrays.get("weight")
     v_total = weight.shape[0] * vocab_shards if hasattr(weight, "shape") and len(weight.shape) == 2 else None
     shapes = check_array_args(facts, loss, v_total, **arrays)
@@ -109,5 +116,6 @@ def validate(
     if arrays.get("labels") is not None and not jax.config.jax_enable_x64:
         # Else the comparison with the labels overflows inside the jitted program.
         check_int32_ignore_index(loss.ignore_index, "JAX's labels are int32 without jax_enable_x64")
-    check_values(loss, arrays.get("labels"), arrays.get("target_indices"), shapes.v * vocab_shards)
-    return shapes, loss, dataclasses.replace(run, backend=chosen.name)
+    check_values(loss, arrays.get("labels"), arrays.get("target_indices"), shapes.v * vocab_shards,
+                 arrays.get("target"))  # fmt: skip
+    return shapes, loss, run, chosen

@@ -1,5 +1,5 @@
 """Every backend of both frameworks against the float64 reference, on one option matrix;
-the fused cross-entropy; v1 calls unchanged by v2; the ``nn.Module`` forms."""
+the fused cross-entropy; both frameworks' signatures; the ``nn.Module`` forms."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ import torch_kl
 
 # (make_inputs keywords, options): together every option value, on small shapes, odd sizes included.
 CASES = {
-    # v1
+    # forward KL of dense teachers
     "probs-batchmean": (dict(n=23, h=8, v=41), dict()),
     "probs-sum-T2-bias": (dict(n=17, h=5, v=67, ignore_frac=None, bias=True), dict(reduction="sum", temperature=2.0)),
     # A truncated teacher (top-k cached probabilities): rows sum to less than 1, so S_i matters.
@@ -48,7 +48,7 @@ CASES = {
     # float16 dL/dz scaled by 1/n would be subnormal: stored prescaled (fused_kl.rowmath.float16_unscale).
     "fp16-small-gradients": (dict(n=200, h=16, v=1000, dtype="float16"), dict(temperature=4.0)),
     "all-ignored": (dict(n=9, h=5, v=33, ignore_frac=1.0, bias=True), dict()),
-    # v2: the divergence family, the hard term, the logit transforms
+    # the divergence family, the hard term, the logit transforms
     "reverse-probs-zeros": (dict(n=14, h=6, v=39, zero_frac=0.3), dict(beta=1.0)),
     "reverse-logits-sum": (
         dict(n=11, h=6, v=35, target_format="logits", bias=True), dict(beta=1.0, reduction="sum", temperature=1.5)),
@@ -77,7 +77,7 @@ CASES = {
     "v4100-jsd-hard": (
         dict(n=4, h=4, v=4100, target_format="logits"),
         dict(beta=0.5, weight_hard_loss=0.5, label_smoothing=0.1, chunk_size=3)),
-    # v2: teachers without [N, V]
+    # teachers without [N, V]
     "hidden": (dict(n=19, h=8, v=41, target_format="hidden", ht=5), dict(chunk_size=6)),
     "hidden-bias-jsd-transform": (
         dict(n=15, h=6, v=37, target_format="hidden", ht=9, teacher_bias=True, bias=True),
@@ -171,13 +171,13 @@ def test_loss_only(backend: str) -> None:
 def test_which_phases_read_the_probabilities(monkeypatch, options, reads) -> None:
     """The forward KL's statistics read the teacher's mass, reverse KL's make its sum ``R`` there;
     JSD's need neither (in torch_kl's Triton backend the logits GEMM makes them): only JSD reads
-    the teacher in a ``value`` pass of its own."""
+    the teacher in a ``mixture_sums`` pass of its own."""
     from torch_kl.backends import torch_phases
 
     seen, values = [], []
-    real, real_value = torch_phases.stats, torch_phases.value
+    real, real_mixture = torch_phases.stats, torch_phases.mixture_sums
     monkeypatch.setattr(torch_phases, "stats", lambda z, t, *rest: seen.append(t is not None) or real(z, t, *rest))
-    monkeypatch.setattr(torch_phases, "value", lambda *args: values.append(1) or real_value(*args))
+    monkeypatch.setattr(torch_phases, "mixture_sums", lambda *args: values.append(1) or real_mixture(*args))
     gen = torch.Generator().manual_seed(0)
     x, w = torch.randn(12, 5, generator=gen), torch.randn(17, 5, generator=gen)
     target = torch.softmax(torch.randn(12, 17, generator=gen), -1)
@@ -204,40 +204,22 @@ def test_topk_bin_tail_of_a_confident_student(backend: str) -> None:
     assert_matches(run(backend, inp), inp)
 
 
-# ---------------------------------------------------------------- v1 calls are unchanged
+# ---------------------------------------------------------------- the two frameworks' signatures
 
-# The contract's newer keywords and their defaults, written out: a v1 call passes none of them.
-V2_DEFAULTS = dict(
-    beta=0.0, weight_hard_loss=0.0, weight_soft_loss=1.0, label_smoothing=0.0, logit_scale=1.0, softcap=None,
-    teacher_weight=None, teacher_bias=None, target_indices=None, topk_tail="bin", teacher_logit_scale=1.0,
-    teacher_softcap=None,
-)
+# How each framework names the devices a call is spread over: the one difference of the signatures.
+LAYOUT_KEYWORDS = {"torch": ("batch_group", "vocab_group"), "jax": ("mesh", "batch_axis", "vocab_axis")}
 
 
-@pytest.mark.parametrize("fn", [torch_kl.fused_linear_kl_div, jax_kl.fused_linear_kl_div], ids=["torch", "jax"])
-def test_v2_defaults_are_the_spec_defaults(fn) -> None:
-    params = inspect.signature(fn).parameters
-    assert {k: params[k].default for k in V2_DEFAULTS} == V2_DEFAULTS
-    assert all(params[k].kind is inspect.Parameter.KEYWORD_ONLY for k in V2_DEFAULTS)
+@pytest.mark.parametrize("fn", ["fused_linear_kl_div", "fused_linear_cross_entropy"])
+def test_both_frameworks_take_the_same_arguments(fn: str) -> None:
+    """Mirror images: the same parameters in the same order, of the same kinds and defaults,
+    but for the layout's keywords."""
 
+    def parameters(module, framework: str) -> list[tuple]:
+        params = inspect.signature(getattr(module, fn)).parameters.values()
+        return [(p.name, p.kind, p.default) for p in params if p.name not in LAYOUT_KEYWORDS[framework]]
 
-V1_CALLS = {
-    "probs-labels-bias": (dict(n=9, h=6, v=29, bias=True), dict(chunk_size=5)),
-    "logits-bf16-sum": (dict(n=11, h=8, v=31, dtype="bfloat16", target_format="logits"),
-                        dict(reduction="sum", temperature=2.0, teacher_temperature=0.5, accum_dtype="float32")),
-}
-
-
-@pytest.mark.parametrize("backend", ALL_BACKENDS)
-@pytest.mark.parametrize("case", list(V1_CALLS))
-def test_v1_call_is_bitwise_the_explicit_v2_defaults(backend: str, case: str) -> None:
-    shape, options = V1_CALLS[case]
-    inp = make_inputs(**shape)
-    v1 = run(backend, inp, **options)
-    v2 = run(backend, inp, **options, **V2_DEFAULTS)
-    assert v1.loss == v2.loss
-    for a, b in ((v1.grad_x, v2.grad_x), (v1.grad_weight, v2.grad_weight), (v1.grad_bias, v2.grad_bias)):
-        assert (a is None and b is None) or np.array_equal(a, b)
+    assert parameters(torch_kl, "torch") == parameters(jax_kl, "jax")
 
 
 # ---------------------------------------------------------------- fused cross-entropy
@@ -300,7 +282,7 @@ def _outputs(loss, *leaves) -> Outputs:
 def test_kl_div_module_is_a_drop_in(backend: str) -> None:
     inp = make_inputs(12, 6, 29, bias=True, target_format="logits")
     x, w, t, lab, b = _tensors(inp, "x", "weight", "target", "labels", "bias")
-    # Liger's constructor order: reduction, ignore_index, temperature, eps, accum_dtype; v2 keywords after.
+    # Liger's constructor order: reduction, ignore_index, temperature, eps, accum_dtype; other keywords after.
     module = torch_kl.FusedLinearKLDivLoss("sum", -100, 2.0, 1e-10, None, target_format="logits", beta=0.5,
                                            backend=backend.split("/")[1])
     loss = module(x, w, t, lab, b)

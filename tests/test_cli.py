@@ -187,6 +187,30 @@ def test_bench_quick_writes_table_json_and_plot(tmp_path, mode: str) -> None:
     assert matplotlib.image.imread(tmp_path / "bench.png").shape[0] > 100
 
 
+def test_bench_vocab_gives_each_head_every_vocabulary_and_rows_their_tflops(tmp_path) -> None:
+    from benchmarks import bench
+
+    argv = ["--quick", "--mode", "hidden", "--heads", "32x256", "--vocab", "250,256", "--n", "64"]
+    assert bench.main([*argv, "--impls", "floor", "torch_kl/torch", "--out-dir", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert [(r["head"], r["impl"]) for r in rows] == [
+        ("32x250", "floor"), ("32x250", "torch_kl/torch"), ("quick-32", "floor"), ("quick-32", "torch_kl/torch"),
+    ]  # fmt: skip
+    for r, v in zip(rows, (250, 250, 256, 256), strict=True):
+        flops = 6 * 64 * 32 * v + 2 * 64 * 64 * v  # the three GEMMs, and the teacher head's (twice as wide)
+        assert r["tflops"] == pytest.approx(flops / (r["ms"] * 1e9)), r
+
+
+@pytest.mark.parametrize("vocab", ["0", "50k"])
+def test_bench_refuses_a_vocabulary_that_is_not_a_positive_integer(vocab: str) -> None:
+    from benchmarks import bench
+    from benchmarks.impls import build
+
+    with pytest.raises(SystemExit) as e:
+        bench.parse_args(["--vocab", vocab], build())
+    assert e.value.code == 2
+
+
 def test_bench_timing_budgets_come_from_the_flags() -> None:
     from benchmarks import bench
     from benchmarks.impls import build
@@ -231,6 +255,17 @@ def test_unchecked_variant_skips_only_the_value_check(monkeypatch, mode: str) ->
     unchecked = impls["torch_kl/triton-unchecked"].make(inputs).step()
     assert waits[0] is not None and waits[1] is None
     assert all(torch.equal(a, b) for a, b in zip(checked, unchecked, strict=True))
+
+
+def test_results_md_quotes_its_data_and_the_plot_is_drawn_from_it(tmp_path, capsys) -> None:
+    """RESULTS.md's per-mode tables are what ``python -m benchmarks.results`` makes of results.csv."""
+    from benchmarks import results
+
+    assert results.main(["--plot", str(tmp_path / "results.png")]) == 0
+    tables = capsys.readouterr().out
+    assert tables.count("#### ") == len(results.groups(results.load(results.HERE / "results.csv")))
+    assert tables in (results.HERE / "RESULTS.md").read_text(encoding="utf-8")
+    assert matplotlib.image.imread(tmp_path / "results.png").shape[0] > 100
 
 
 def test_bench_module_runs_from_the_repository_root() -> None:

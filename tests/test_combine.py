@@ -1,5 +1,5 @@
-"""``fused_kl.rowmath.combine_stats``: the ``STATS`` of a row's vocabulary slices, combined,
-equal the whole row's, reverse KL's sum included (``rowmath.REVERSE``), as the vocabulary-sharded
+"""``fused_kl.rowmath.combine_stats``: the ``Stats`` of a row's vocabulary slices, combined,
+equal the whole row's, reverse KL's sum included (``rows.Stats.reverse``), as the vocabulary-sharded
 layouts and the Mosaic GPU kernels' segments combine them."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import torch
 from fused_kl import rowmath
 from fused_kl.loss import Loss, Teacher
 from fused_kl.reference import reference
+from fused_kl.rows import MIXTURE_SUMS
 from torch_kl.backends import torch_phases
 
 V = 96
@@ -48,7 +49,7 @@ def test_reverse_sum_is_the_reverse_kl(fmt: str) -> None:
     ``reduction="sum"`` over one row at a time)."""
     loss = Loss(beta=1.0, temperature=1.5, teacher=Teacher(fmt, 2.0))
     z, t, _ = _row_inputs(fmt)
-    r = rowmath.reverse_sums(torch_phases.stats(z, t, None, loss, (1, 1)), loss, torch)[:, 0]
+    r = rowmath.reverse_sums(torch_phases.stats(z, t, None, loss, (1, 1)), loss, torch)[:, MIXTURE_SUMS.student]
     eye = torch.eye(V)  # x = z, W = I: the logits are z
     for i in range(z.shape[0]):
         ref = reference(z[i : i + 1], eye, t[i : i + 1], None, beta=1.0, temperature=1.5, target_format=fmt,

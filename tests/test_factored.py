@@ -11,7 +11,8 @@ import torch.nn.functional as F
 import torch_kl
 from fused_kl.loss import Loss, Teacher
 from fused_kl.reference import reference
-from torch_kl.backends import factored_of, triton_factored
+from fused_kl.rows import STATS
+from torch_kl.backends import resolve, triton_factored
 
 FLUSHED = 7
 
@@ -63,8 +64,9 @@ def test_alpha_times_e_is_the_gradient_in_float64(loss):
         a = loss.softcap * torch.tanh(a / loss.softcap)
     slope = loss.logit_scale * (1.0 if loss.softcap is None else 1.0 - (a / loss.softcap) ** 2)
     grad = c_hard.double()[:, None] * slope * (torch.softmax(a, -1) - F.one_hot(y, v))
-    torch.testing.assert_close(stats[:, 1].double(), torch.logsumexp(a, -1), rtol=1e-5, atol=1e-4)
-    torch.testing.assert_close(stats[:, 5].double(), a.gather(1, y[:, None])[:, 0], rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(stats[:, STATS.lse_hard].double(), torch.logsumexp(a, -1), rtol=1e-5, atol=1e-4)
+    f_y = a.gather(1, y[:, None])[:, 0]
+    torch.testing.assert_close(stats[:, STATS.label_logit].double(), f_y, rtol=1e-5, atol=1e-4)
     got = alpha.double()[:, None] * z.double()
     # bfloat16's rounding of each entry, relative to the row's largest
     scale = grad.abs().amax(-1, keepdim=True)
@@ -115,7 +117,7 @@ def test_a_topk_teacher_matches_float64_on_rows_outside_the_window_and_flushed_t
 
 
 def test_rows_with_sparse_values_and_no_dense_part_are_zeroed():
-    """``beta = 0`` (a top-k row whose factor K vanishes, without the hard term): ``settle`` zeroes
+    """``q_factor = 0`` (a top-k row whose factor K vanishes, without the hard term): ``settle`` zeroes
     the row's E and writes its top-k entries alone."""
     rows, v, h = 8, 64, 16
     x, w = _logits_of_every_kind(rows, v, h)
@@ -123,14 +125,15 @@ def test_rows_with_sparse_values_and_no_dense_part_are_zeroed():
     z = torch.empty(rows, v, dtype=torch.bfloat16)
     make_stats, tiles = triton_factored.exp_logits(x, w, None, loss, z)
     stats = make_stats(None)
-    beta = torch.tensor([0.0, 1.0, 0.0, 0.5, 1.0, 0.0, 2.0, 1.0])
+    q_factor = torch.tensor([0.0, 1.0, 0.0, 0.5, 1.0, 0.0, 2.0, 1.0])
     at = torch.tensor([[3, 9]] * rows)
     values = torch.full((rows, 2), -0.25)
     values[5] = 0.0  # no dense part and no sparse value: left as it is
     mask = torch.ones(rows, 2, dtype=torch.bool)
     from torch_kl.ops import OPS
 
-    alpha = triton_factored.settle(z, tiles, stats, beta, torch.zeros(rows), None, loss, (at, values, mask), OPS.set_at)
+    sparse = (at, values, mask)
+    alpha = triton_factored.settle(z, tiles, stats, q_factor, torch.zeros(rows), None, loss, sparse, OPS.set_at)
     g = alpha[:, None].double() * z.double()
     for r in (0, 2):
         assert torch.count_nonzero(g[r]) == 2 and torch.allclose(
@@ -138,7 +141,7 @@ def test_rows_with_sparse_values_and_no_dense_part_are_zeroed():
         )
     assert torch.all(g[5] == 0)
     q = torch.softmax((x.double() @ w.double().T), -1)
-    dense = beta[:, None].double() * q
+    dense = q_factor[:, None].double() * q
     dense[:, [3, 9]] = -0.25
     for r in (1, 3, 4, 6, 7):
         assert ((g[r] - dense[r]).abs().max() / dense[r].abs().max()) < 8e-3
@@ -198,8 +201,9 @@ def test_which_chunks_factor(monkeypatch, teacher, call, taken):
 
 
 def test_only_the_triton_backend_factors():
-    assert factored_of("triton") is triton_factored
-    assert factored_of("torch") is None
+    cpu = torch.device("cpu")
+    assert resolve("triton", cpu).factored is triton_factored
+    assert resolve("torch", cpu).factored is None
 
 
 @pytest.mark.gpu
@@ -250,8 +254,8 @@ def test_the_topk_kernel_is_the_shared_topk_part(tail, temperature, hard, scale)
     make_stats, tiles = triton_factored.exp_logits(x, w, None, loss, z)
     assert (z[::4, FLUSHED] == 0).all()  # the dot product's path runs
     stats = make_stats(y if hard else None)
-    weights = rowmath.scales(keep.sum(dtype=torch.float32), loss, v, False, torch)
-    scales = rowmath.row_scales(keep, weights, loss, torch)
+    weights = rowmath.loss_weights(keep.sum(dtype=torch.float32), loss, v, False, torch)
+    scales = rowmath.grad_scales(keep, weights, loss, torch)
     want = topk_part(lambda at, inside: triton_factored.logits_at(z, tiles, at, inside, x, w, loss), (t, idx),
                      y if hard else None, scales, 0, v, stats, loss, v, Layout(), OPS)  # fmt: skip
     got = triton_topk.topk_part(z, tiles, (t, idx), y if hard else None, stats, scales, x, w, loss)

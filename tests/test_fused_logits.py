@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from fused_kl.loss import Loss, Teacher
-from torch_kl.backends import fused_logits_of, triton_logits, triton_phases
+from fused_kl.rows import STATS
+from torch_kl.backends import resolve, triton_logits, triton_phases
 
 TILE = (1, 32)
 
@@ -39,7 +40,7 @@ CASES = [  # (loss, hard term, bias)
 def _without_unused_sum(stats: torch.Tensor, loss: Loss) -> torch.Tensor:
     """The epilogue makes ``sum f(z)`` only for label smoothing, the one term that reads it."""
     if loss.label_smoothing == 0.0:
-        stats[:, 4] = 0.0
+        stats[:, STATS.logit_sum] = 0.0
     return stats
 
 
@@ -115,5 +116,6 @@ def test_which_losses_read_the_teacher_in_their_statistics(fmt, beta, reads):
 
 
 def test_only_the_triton_backend_has_it():
-    assert fused_logits_of("triton") is triton_logits.logits_with_stats
-    assert fused_logits_of("torch") is None
+    cpu = torch.device("cpu")
+    assert resolve("triton", cpu).fused_logits is triton_logits.logits_with_stats
+    assert resolve("torch", cpu).fused_logits is None

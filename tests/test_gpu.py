@@ -98,10 +98,10 @@ def test_bridges_and_native_agree_on_gpu():
 
 
 def test_zero_copy_both_ways():
-    from torch_kl.backends import pallas_bridge
+    from fused_kl_bridges import pallas_for_torch
 
     x = torch.randn(64, 32, device="cuda")
-    jx = pallas_bridge._to_jax(x)
+    jx = pallas_for_torch.to_jax(x)
     assert jx.unsafe_buffer_pointer() == x.data_ptr()
     back = torch.from_dlpack(jx)
     assert back.data_ptr() == x.data_ptr()

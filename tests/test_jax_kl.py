@@ -9,13 +9,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from harness import JAX_BACKENDS, expected, jax_arrays, make_inputs
+from harness import JAX_BACKENDS, assert_matches, expected, jax_arrays, make_inputs, run
 
 import jax_kl
 import jax_kl.backends
 
 NAMES = [b.split("/")[1] for b in JAX_BACKENDS]
-# The v2 terms ride along in the transformation tests.
+# The divergence family's terms ride along in the transformation tests.
 OPTIONS = dict(target_format="logits", beta=0.5, weight_hard_loss=0.5, softcap=4.0, chunk_size=4)
 
 
@@ -102,6 +102,79 @@ def test_no_logits_sized_buffer(fmt: str) -> None:
         for a, b in re.findall(r"= \w+\[(\d+),(\d+)\]", line)
     ]
     assert made and max(made) <= chunk * v < n * v
+
+
+def _equations(jaxpr) -> int:
+    """The equations of a jaxpr and of every jaxpr nested in its equations' parameters."""
+    count = 0
+    for eqn in jaxpr.eqns:
+        count += 1
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                inner = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr holds its Jaxpr
+                if hasattr(inner, "eqns"):
+                    count += _equations(inner)
+    return count
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
+def test_many_chunks_trace_linearly_and_match_the_reference(backend: str) -> None:
+    """The chunk loop is unrolled at trace time: each chunk adds the same equations to the
+    program (4, 8 and 16 chunks of 64 rows), so a loop whose trace grows faster than the chunks
+    fails; 16 chunks of 4 rows still give the reference."""
+    inp = make_inputs(64, 8, 37, target_format="logits", bias=True)
+    x, w, t, lab, b = _arrays(inp)
+
+    def equations(chunk_size: int) -> int:
+        options = {**OPTIONS, "chunk_size": chunk_size}
+
+        def f(x, w, b):
+            return jax_kl.fused_linear_kl_div(x, w, t, lab, bias=b, backend=backend, **options)
+
+        return _equations(jax.make_jaxpr(jax.value_and_grad(f, argnums=(0, 1, 2)))(x, w, b).jaxpr)
+
+    four, eight, sixteen = (equations(64 // chunks) for chunks in (4, 8, 16))
+    per_chunk = (eight - four) / 4
+    assert per_chunk > 0 and sixteen - eight == pytest.approx(8 * per_chunk, rel=0.05), (four, eight, sixteen)
+    options = {k: v for k, v in OPTIONS.items() if k != "target_format"} | {"chunk_size": 4}
+    assert_matches(run(f"jax/{backend}", inp, **options), inp, **options)
+
+
+def test_xla_hessian_is_the_unfused_losss() -> None:
+    """The ``"xla"`` backend's forward rule is plain ``jax.numpy``: JAX differentiates it again,
+    and ``jax.hessian`` equals the Hessian of the unfused loss (forward KL and a hard term)."""
+    inp = make_inputs(4, 3, 5, bias=True, ignore_frac=0.3, seed=1)
+    x, w, t, lab, b = _arrays(inp)
+    keep = lab != -100
+
+    def unfused(x, w):
+        log_q = jax.nn.log_softmax(x @ w.T + b)
+        soft = jnp.sum(jnp.where(t > 0, t * (jnp.log(jnp.where(t > 0, t, 1.0)) - log_q), 0.0), -1)
+        hard = -jnp.take_along_axis(log_q, jnp.where(keep, lab, 0)[:, None], -1)[:, 0]
+        return jnp.sum(jnp.where(keep, soft + 0.5 * hard, 0.0)) / jnp.sum(keep)
+
+    def fused(x, w):
+        return jax_kl.fused_linear_kl_div(x, w, t, lab, bias=b, weight_hard_loss=0.5, backend="xla", chunk_size=2)
+
+    assert float(unfused(x, w)) == pytest.approx(expected(inp, weight_hard_loss=0.5).loss, rel=1e-5)
+    for argnums in (0, 1):
+        want = jax.hessian(unfused, argnums)(x, w)
+        got = jax.jit(jax.hessian(fused, argnums))(x, w)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", [name for name in NAMES if name != "xla"])
+def test_second_derivatives_through_kernels_are_refused_by_name(backend: str) -> None:
+    inp = make_inputs(4, 3, 5, target_format="logits")
+    x, w, t, lab, _ = _arrays(inp)
+
+    def f(x):
+        return jax_kl.fused_linear_kl_div(x, w, t, lab, target_format="logits", backend=backend)
+
+    jax.grad(f)(x)  # first derivatives are fine
+    for transform in (jax.hessian, lambda f: jax.grad(lambda x: jnp.sum(jax.grad(f)(x)))):
+        with pytest.raises(ValueError, match=rf"^backend: '{backend}' supports first derivatives only"):
+            transform(f)(x)
 
 
 def test_auto_backend_on_cpu_is_xla() -> None:

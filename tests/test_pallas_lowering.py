@@ -7,17 +7,16 @@ lowering's kernels in interpret mode); the chunk checks, the grid and the fallba
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
 from fused_kl.loss import Loss, Teacher  # noqa: E402
-from jax_kl.backends import jax_version, mosaic_missing, pallas_phases, pallas_triton  # noqa: E402
-
-if jax_version() < (0, 10):
-    pytest.skip("Mosaic GPU lowering of these kernels needs jax >= 0.10", allow_module_level=True)
-from jax_kl.backends import pallas_mosaic  # noqa: E402
+from fused_kl.rows import MIXTURE_SUMS  # noqa: E402
+from jax_kl.backends import mosaic_missing, pallas_mosaic, pallas_triton, resolve  # noqa: E402
 
 LOSSES = {
     "forward-probs": (Loss(teacher=Teacher("probs", 1.0)), jnp.float32, False),
@@ -44,7 +43,7 @@ ROWS, V = 200, 1024  # 200 rows: a partial last 64-row block
 def _chunk(kernels, loss: Loss, z, t, y, tile=(1, 1)):
     stats = kernels.stats(z, t, y, loss, tile)
     if loss.kind == "jsd":  # reverse KL's sum comes with the statistics
-        stats = stats + kernels.value(z, t, stats, loss, tile)[:, :1]
+        stats = stats + kernels.mixture_sums(z, t, stats, loss, tile)[:, MIXTURE_SUMS.teacher, None]
     return kernels.finish(z, t, y, stats, loss, V, tile, True)
 
 
@@ -97,7 +96,7 @@ def test_finish_writes_dl_dz_over_the_logits() -> None:
 
 @pytest.mark.parametrize("softcap", [None, 20.0])
 def test_logarithms_are_approximate_and_tanh_is_not(softcap) -> None:
-    """JSD's ``value`` kernel takes the hardware's ``lg2.approx`` for ``log p`` and ``log m`` (as
+    """JSD's ``mixture_sums`` kernel takes the hardware's ``lg2.approx`` for ``log p`` and ``log m`` (as
     torch_kl's Triton kernels do), with a softcap too: its ``tanh`` goes through the approximate
     ``exp2``, never through ``tanh.approx``, too coarse for the capped logits."""
     loss = Loss(beta=0.5, softcap=softcap, teacher=Teacher("logits", 1.0, softcap=softcap))
@@ -106,7 +105,7 @@ def test_logarithms_are_approximate_and_tanh_is_not(softcap) -> None:
 
     def f(z, t):
         stats = pallas_mosaic.stats(z, (t, 0), None, loss, (1, 1))
-        return pallas_mosaic.value(z, (t, 0), stats, loss, (1, 1))
+        return pallas_mosaic.mixture_sums(z, (t, 0), stats, loss, (1, 1))
 
     text = jax.jit(f).trace(z, t).lower(lowering_platforms=("cuda",)).as_text()
     assert "lg2.approx" in text
@@ -137,9 +136,11 @@ def test_grid_covers_every_tile_once(rows: int, v: int) -> None:
 def test_pallas_runs_the_triton_lowering_where_mosaic_cannot() -> None:
     z = jnp.zeros((64, 128), jnp.bfloat16)
     expected = pallas_mosaic if mosaic_missing() is None else pallas_triton
-    assert pallas_phases._pick(z, None) is expected
-    assert pallas_phases._pick(jnp.zeros((64, 100), jnp.bfloat16), None) is pallas_triton
-    assert pallas_phases._pick(z, (jnp.zeros((64, 128), jnp.float32), 32)) is pallas_triton  # teacher row 32
+    assert resolve("pallas").chunk_phases(z, None) is expected
+    with_mosaic = dataclasses.replace(resolve("pallas"), mosaic_phases=pallas_mosaic)  # as on a Hopper GPU
+    assert with_mosaic.chunk_phases(z, None) is pallas_mosaic
+    assert with_mosaic.chunk_phases(jnp.zeros((64, 100), jnp.bfloat16), None) is pallas_triton
+    assert with_mosaic.chunk_phases(z, (jnp.zeros((64, 128), jnp.float32), 32)) is pallas_triton  # teacher row 32
 
 
 def test_grad_weight_kernel_lowers_and_adds_in_place() -> None:
@@ -173,13 +174,13 @@ def test_grad_weight_kernel_takes_only_whole_tiles_of_one_16_bit_dtype() -> None
      ("--xla_gpu_enable_triton_gemm=0", True), ("--xla_gpu_enable_triton_gemm=true", False)],
 )  # fmt: skip
 def test_xla_flags_that_fold_the_add_leave_it_to_xla(monkeypatch, flags: str, folds: bool) -> None:
-    from jax_kl.backends import in_place_grad_weight_of, xla_folds_the_add
+    from jax_kl.backends import xla_folds_the_add
 
     monkeypatch.setenv("XLA_FLAGS", flags)
     assert xla_folds_the_add() is folds
     if folds or mosaic_missing() is not None:
-        assert in_place_grad_weight_of("pallas") is None
-    assert in_place_grad_weight_of("pallas_triton") is None and in_place_grad_weight_of("xla") is None
+        assert resolve("pallas").in_place_grad_weight is None
+    assert resolve("pallas_triton").in_place_grad_weight is None and resolve("xla").in_place_grad_weight is None
 
 
 def test_in_place_kernels_lower_inside_shard_map() -> None:

@@ -56,7 +56,7 @@ def _truncated_probs(rng, n, v):
 
 @pytest.mark.parametrize("reduction", ["batchmean", "sum", "mean"])
 @pytest.mark.parametrize("fmt", ["probs", "log_probs", "logits"])
-def test_v1_forward_kl_closed_form(fmt, reduction):
+def test_forward_kl_closed_form(fmt, reduction):
     rng, x, w, b = _problem(n=8)
     n, v, temp = 8, w.shape[0], 1.7
     labels = np.array([3, -100, 1, 0, -100, 2, 5, 6])

@@ -163,6 +163,28 @@ def test_second_backward_is_refused() -> None:
         loss.backward()
 
 
+def test_double_backward_is_refused_by_name() -> None:
+    """The gradients are made in the forward pass, without a graph: a second derivative through
+    them would be silently zero, so ``create_graph=True`` raises."""
+    inp = make_inputs(6, 4, 17)
+    x, w, t, lab, _, _ = _tensors(inp)
+    loss = torch_kl.fused_linear_kl_div(x, w, t, lab, backend="torch")
+    with pytest.raises(RuntimeError, match=r"double backward \(create_graph=True"):
+        torch.autograd.grad(loss, x, create_graph=True)
+
+
+@pytest.mark.parametrize("transform", ["grad", "vmap", "jacrev"])
+def test_torch_func_transforms_are_refused_by_name(transform: str) -> None:
+    inp = make_inputs(6, 4, 17)
+    x, w, t, lab, _, _ = _tensors(inp, requires_grad=False)
+
+    def f(x):
+        return torch_kl.fused_linear_kl_div(x, w, t, lab, backend="torch")
+
+    with pytest.raises(TypeError, match=r"^x: a tensor of a torch.func transform \(grad, vmap, jacrev"):
+        getattr(torch.func, transform)(f)(x[None] if transform == "vmap" else x)
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_autocast_runs_the_head_in_bf16(backend: str) -> None:
     inp = make_inputs(16, 8, 37, target_format="logits")
@@ -241,6 +263,37 @@ def test_modules_refuse_at_construction_a_keyword_they_cannot_pass(module: str, 
         getattr(torch_kl, module)(**{keyword: 2.0})
 
 
+BAD_MODULE_VALUES = [
+    ("FusedLinearJSDLoss", dict(beta=5)),
+    ("FusedLinearJSDLoss", dict(weight_hard_loss=-1.0)),
+    ("FusedLinearJSDLoss", dict(temperature=float("nan"))),
+    ("FusedLinearKLDivLoss", dict(temperature=0)),
+    ("FusedLinearKLDivLoss", dict(reduction="none")),
+    ("FusedLinearKLDivLoss", dict(target_format="topk_log_probs", beta=0.5)),
+    ("FusedLinearKLDivLoss", dict(chunk_size=0)),
+    ("FusedLinearCrossEntropyLoss", dict(label_smoothing=1.0)),
+    ("FusedLinearCrossEntropyLoss", dict(reduction="batchmean")),
+]
+
+
+@pytest.mark.parametrize(("module", "options"), BAD_MODULE_VALUES, ids=[f"{m}-{o}" for m, o in BAD_MODULE_VALUES])
+def test_modules_refuse_at_construction_a_value_the_call_refuses(module: str, options: dict) -> None:
+    """The function's own error, at construction instead of the first ``forward``."""
+    x, w, t, lab = torch.zeros(2, 3), torch.zeros(5, 3), torch.full((2, 5), 0.2), torch.zeros(2, dtype=torch.long)
+    call = dict(options)
+    if module == "FusedLinearCrossEntropyLoss":
+        fn, args = torch_kl.fused_linear_cross_entropy, (x, w, lab)
+    else:
+        fn, args = torch_kl.fused_linear_kl_div, (x, w, t, lab)
+        if module == "FusedLinearJSDLoss":  # its defaults, beside the value tried
+            call = dict(beta=0.5, weight_hard_loss=0.5, weight_soft_loss=0.5) | options
+    with pytest.raises((TypeError, ValueError)) as by_call:
+        fn(*args, **call)
+    with pytest.raises(by_call.type) as at_construction:
+        getattr(torch_kl, module)(**options)
+    assert str(at_construction.value) == str(by_call.value)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("g", [1.0, 3.0, 0.1])
 def test_rescale_kernel_multiplies_in_float32(dtype: torch.dtype, g: float) -> None:
@@ -259,7 +312,7 @@ def test_rescale_kernel_multiplies_in_float32(dtype: torch.dtype, g: float) -> N
 
 def test_torch_compile_fullgraph_gives_the_eager_result() -> None:
     """A training step under ``torch.compile(fullgraph=True)`` (no graph break): the eager loss
-    and gradients, with ignored rows, a non-contiguous view of ``x`` and the v2 loss terms; a kept
+    and gradients, with ignored rows, a non-contiguous view of ``x`` and the divergence family's terms; a kept
     label outside the vocabulary makes the loss NaN there instead of raising (docs/contract.md: compilation)."""
     inp = make_inputs(10, 6, 23, target_format="logits", ignore_frac=0.4, bias=True)
     assert (inp.labels == -100).any() and (inp.labels != -100).any()
@@ -289,3 +342,28 @@ def test_torch_compile_fullgraph_gives_the_eager_result() -> None:
     with pytest.raises(ValueError, match=r"^labels: "):
         step(x_t, w, b, t, bad)
     assert torch.isnan(compiled(x_t, w, b, t, bad))
+
+
+def test_torch_compile_fullgraph_takes_a_new_float_on_each_call() -> None:
+    """A schedule (temperature annealing, a hard-term warm-up) changes Python floats between
+    calls of one compiled step: no graph break, no error, the eager loss and gradients each time.
+    Dynamo makes a changed float symbolic: the checks compare it, never call math on it."""
+    inp = make_inputs(8, 5, 19, target_format="logits", bias=True)
+    x, w, t, lab, b, _ = _tensors(inp, requires_grad=False)
+
+    def step(w, temperature, weight_hard_loss):
+        return torch_kl.fused_linear_kl_div(x, w, t, lab, bias=b, target_format="logits", backend="torch",
+                                            temperature=temperature, weight_hard_loss=weight_hard_loss, beta=0.5)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    for temperature, weight_hard_loss in ((1.0, 0.0), (2.0, 0.0), (0.7, 0.0), (0.7, 0.3), (1.3, 0.6)):
+        results = []
+        for fn in (step, compiled):
+            leaf = w.clone().requires_grad_()
+            loss = fn(leaf, temperature, weight_hard_loss)
+            loss.backward()
+            results.append((loss.detach(), leaf.grad))
+        (want, want_grad), (got, got_grad) = results
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(got_grad, want_grad, rtol=1e-6, atol=1e-7)

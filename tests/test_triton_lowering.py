@@ -49,11 +49,11 @@ CALLS: dict[str, tuple[dict, dict]] = {
 }
 
 # (kernel, constexprs it must have): the passes with a logarithm per element. Reverse KL's
-# statistics and JSD's value pass on probabilities (log p; JSD also log m), the forward KL's
+# statistics and JSD's mixture-sums pass on probabilities (log p; JSD also log m), the forward KL's
 # finish on probabilities (log p for the loss), JSD's finish on logits (log m only).
 LOGARITHMS = {
     "stats reverse probs": ("_stats_kernel", {"FORMAT": 0, "REV": True}),
-    "value jsd probs": ("_value_kernel", {"FORMAT": 0}),
+    "mixture sums jsd probs": ("_mixture_sums_kernel", {"FORMAT": 0}),
     "finish forward probs": ("_finish_kernel", {"FORMAT": 0, "KIND": 0}),
     "finish jsd logits": ("_finish_kernel", {"FORMAT": 2, "KIND": 2}),
 }
@@ -149,7 +149,9 @@ def lg2_counts(launches: list[dict]) -> list[int]:
 def test_every_kernel_is_launched_and_compiles_for_sm_90(launches: list[dict], lg2_counts: list[int]) -> None:
     names = {launch["name"] for launch in launches}
     # every row pass, the fused logits GEMM, the factored path's kernels, top-k's and the rescale
-    want = {"_stats_kernel", "_value_kernel", "_finish_kernel", "_logits_kernel", "_topk_kernel", "_scale_kernel"}
+    want = {
+        "_stats_kernel", "_mixture_sums_kernel", "_finish_kernel", "_logits_kernel", "_topk_kernel", "_scale_kernel"
+    }  # fmt: skip
     assert want <= names, sorted(want - names)
     assert len(lg2_counts) == len(launches)
 

@@ -16,11 +16,11 @@ import pytest
 import torch
 from harness import ALL_BACKENDS
 
+import fused_kl_bridges.pallas_for_torch
+import fused_kl_bridges.triton_for_jax
 import jax_kl
-import jax_kl.backends.triton_bridge
 import jax_kl.driver
 import torch_kl
-import torch_kl.backends.pallas_bridge
 import torch_kl.driver
 
 N, H, V, HT, K = 4, 3, 5, 6, 3
@@ -157,7 +157,7 @@ def _zeros(*shape: int, dtype: str = "float32") -> Callable:
 
 
 BAD = {
-    # ---- v1: shapes and ranks
+    # ---- shapes and ranks
     "x rank 1": Bad(ValueError, "x", _shape("x", (H,))),
     "x rank 4": Bad(ValueError, "x", _shape("x", (1, 1, N, H))),
     "weight rank 1": Bad(ValueError, "weight", _shape("weight", (H,))),
@@ -173,7 +173,7 @@ BAD = {
     "empty V": Bad(ValueError, "weight", lambda fw: {"weight": _zeros(0, H)(fw), "target": _zeros(N, 0)(fw),
                                                      "bias": None}),
     "empty H": Bad(ValueError, "x", lambda fw: {"x": _zeros(N, 0)(fw), "weight": _zeros(V, 0)(fw)}),
-    # ---- v1: kinds and dtypes
+    # ---- kinds and dtypes
     "integer x": Bad(TypeError, "x", _dtype("x", "int32")),
     "complex x": Bad(TypeError, "x", _dtype("x", "complex64")),
     "float64 x": Bad(TypeError, "x", _dtype("x", "float64")),
@@ -186,13 +186,13 @@ BAD = {
     "bool labels": Bad(TypeError, "labels", _dtype("labels", "bool")),
     "bias dtype != x dtype": Bad(TypeError, "bias", _dtype("bias", "float16")),
     "integer bias": Bad(TypeError, "bias", _dtype("bias", "int32")),
-    # ---- v1: not arrays (the message names the framework's array type)
+    # ---- not arrays (the message names the framework's array type)
     "x a list": Bad(TypeError, "x", lambda fw: {"x": _valid()["x"].tolist()}, same_message=False),
     "weight None": Bad(TypeError, "weight", lambda fw: {"weight": None}, same_message=False),
     "target a float": Bad(TypeError, "target", lambda fw: {"target": 0.2}, same_message=False),
     "labels a list": Bad(TypeError, "labels", lambda fw: {"labels": [1, 2, 3, 4]}, same_message=False),
     "bias a list": Bad(TypeError, "bias", lambda fw: {"bias": [0.0] * V}, same_message=False),
-    # ---- v1: options
+    # ---- options
     "reduction 'none'": Bad(ValueError, "reduction", _option(reduction="none"), expected_got=False),
     "reduction unknown": Bad(ValueError, "reduction", _option(reduction="avg")),
     "reduction wrong case": Bad(ValueError, "reduction", _option(reduction="Sum")),
@@ -231,12 +231,12 @@ BAD = {
     "accum_dtype int32": Bad(TypeError, "accum_dtype", lambda fw: {"accum_dtype": fw.dtype("int32")}),
     "accum_dtype float64": Bad(TypeError, "accum_dtype", lambda fw: {"accum_dtype": fw.dtype("float64")}),
     "accum_dtype not a dtype": Bad(TypeError, "accum_dtype", _option(accum_dtype="banana"), same_message=False),
-    # ---- v1: devices (torch: the meta device stands for another device)
+    # ---- devices (torch: the meta device stands for another device)
     "weight on another device": Bad(ValueError, "weight", _meta("weight"), frameworks=(Torch,)),
     "target on another device": Bad(ValueError, "target", _meta("target"), frameworks=(Torch,)),
     "labels on another device": Bad(ValueError, "labels", _meta("labels"), frameworks=(Torch,)),
     "bias on another device": Bad(ValueError, "bias", _meta("bias"), frameworks=(Torch,)),
-    # ---- v2: the divergence, the weights, the transforms
+    # ---- the divergence, the weights, the transforms
     **{f"beta {b}": Bad(ValueError, "beta", _option(beta=b)) for b in (-0.1, 1.5, math.nan, math.inf)},
     "beta a string": Bad(TypeError, "beta", _option(beta="0.5")),
     "weight_hard_loss negative": Bad(ValueError, "weight_hard_loss", _option(weight_hard_loss=-0.5)),
@@ -251,7 +251,7 @@ BAD = {
        for c in (0.0, -2.0, math.nan, math.inf)},
     "logit_scale a string": Bad(TypeError, "logit_scale", _option(logit_scale="2")),
     "softcap True": Bad(TypeError, "softcap", _option(softcap=True)),
-    # ---- v2: a teacher head
+    # ---- a teacher head
     "hidden without teacher_weight": Bad(ValueError, "teacher_weight", _hidden(teacher_weight=None),
                                          expected_got=False),
     "teacher_weight with padded rows": Bad(ValueError, "teacher_weight", _hidden(teacher_weight=_zeros(V + 3, HT)),
@@ -275,7 +275,7 @@ BAD = {
                                             frameworks=(Torch,)),
     "teacher_bias on another device": Bad(ValueError, "teacher_bias", _meta("teacher_bias", _hidden(
         teacher_bias=lambda fw: _array(fw, "teacher_bias"))), frameworks=(Torch,)),
-    # ---- v2: top-k log-probabilities
+    # ---- top-k log-probabilities
     "topk_tail unknown": Bad(ValueError, "topk_tail", _topk(topk_tail="truncate")),
     "topk_tail None": Bad(ValueError, "topk_tail", _option(topk_tail=None)),
     "topk with beta 0.5": Bad(ValueError, "beta", _topk(beta=0.5), expected_got=False),
@@ -300,7 +300,7 @@ BAD = {
         [[0, 1, 2], [4, -3, 2], [1, 3, 0], [2, 4, 1]])), on_values=True, contains=("-3",)),
     "target_indices duplicated": Bad(ValueError, "target_indices", _topk(target_indices=_indices(
         [[0, 1, 2], [4, 3, 2], [1, 3, 1], [2, 4, 1]])), on_values=True, contains=("distinct",)),
-    # ---- v2: the hard term
+    # ---- the hard term
     "hard term without labels": Bad(ValueError, "labels", _option(weight_hard_loss=0.5, labels=None),
                                     expected_got=False, contains=("weight_hard_loss > 0",)),
     "hard term, kept label V": Bad(ValueError, "labels", lambda fw: {
@@ -324,7 +324,7 @@ BAD = {
     "cross_entropy softcap 0": Bad(ValueError, "softcap", _option(softcap=0.0), fn="cross_entropy"),
     "cross_entropy reduction 'none'": Bad(ValueError, "reduction", _option(reduction="none"), expected_got=False,
                                           fn="cross_entropy"),
-    # ---- v2: several devices (the bridges' refusal of a real group or mesh: test_validation_values)
+    # ---- several devices (the bridges' refusal of a real group or mesh: test_validation_values)
     "batch_group not a process group": Bad(ValueError, "batch_group", _option(batch_group=object()),
                                            expected_got=False, frameworks=(Torch,)),
     "batch_axis outside shard_map": Bad(ValueError, "batch_axis", _option(batch_axis="b"), expected_got=False,
@@ -366,8 +366,8 @@ def no_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
 
     for module in (torch_kl.driver, jax_kl.driver):
         monkeypatch.setattr(module, "forward", ran)
-    monkeypatch.setattr(torch_kl.backends.pallas_bridge, "torch_through_pallas", ran)
-    monkeypatch.setattr(jax_kl.backends.triton_bridge, "jax_through_triton", ran)
+    monkeypatch.setattr(fused_kl_bridges.pallas_for_torch, "torch_through_pallas", ran)
+    monkeypatch.setattr(fused_kl_bridges.triton_for_jax, "jax_through_triton", ran)
 
 
 @pytest.mark.usefixtures("no_kernels")

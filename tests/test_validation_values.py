@@ -1,6 +1,7 @@
 """Checks that depend on values or on the machine: labels and top-k indices under ``jax.jit``
-(NaN, not an error) and in narrower integer dtypes, the bridges refusing a real group or mesh,
-old backend names, backends not available here, ``N == 0``, NaN and inf propagating, NumPy
+(NaN, not an error) and in narrower integer dtypes (refused where they cannot hold
+``ignore_index``), teachers of the wrong sign, the bridges refusing a real group or mesh, two
+names of one backend, backends not available here, ``N == 0``, NaN and inf propagating, NumPy
 scalars as numbers."""
 
 from __future__ import annotations
@@ -74,12 +75,11 @@ def test_labels_outside_the_vocabulary_are_fine_as_a_mask(framework: str) -> Non
 @pytest.mark.parametrize("dtype", ["int8", "int16", "uint8"])
 def test_narrower_integer_labels_and_indices_are_widened(backend: str, dtype: str) -> None:
     """Labels and top-k indices of a narrower integer dtype give the loss int32 ones give (torch's
-    gathers refuse them), and an ``ignore_index`` they cannot hold (256) ignores no row instead
-    of wrapping to label 0 (the callers' arrays are not modified)."""
+    gathers refuse them), ignored rows included (the callers' arrays are not modified)."""
     inp = make_inputs(8, 4, 11, target_format="topk_log_probs", k=3, ignore_frac=0.0)
-    inp.labels[:2] = 0
+    inp.labels[:2] = 100  # ignored, and outside the vocabulary
     framework, name = backend.split("/")
-    options = dict(weight_hard_loss=0.5, ignore_index=256, backend=name, target_format=inp.target_format)
+    options = dict(weight_hard_loss=0.5, ignore_index=100, backend=name, target_format=inp.target_format)
 
     def loss(index_dtype: str) -> float:
         if framework == "torch":
@@ -95,6 +95,22 @@ def test_narrower_integer_labels_and_indices_are_widened(backend: str, dtype: st
         return float(_call_jax(a, **options))
 
     assert loss(dtype) == pytest.approx(loss("int32"), rel=1e-6)
+
+
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+@pytest.mark.parametrize(("dtype", "ignore_index"), [("uint8", -100), ("int8", 200), ("int16", 40000), ("uint16", -1)])
+def test_labels_that_cannot_hold_ignore_index_are_refused(framework: str, dtype: str, ignore_index: int) -> None:
+    """A label dtype in which ``ignore_index`` cannot be represented could never mark a row
+    ignored (uint8 cannot hold -100): refused, naming ``labels``, mask or hard term alike."""
+    inp = make_inputs(6, 4, 11)
+    inp.labels[:] = 3
+    arrays = torch_tensors(inp) if framework == "torch" else _jax_arrays(inp)
+    labels = arrays["labels"].to(getattr(torch, dtype)) if framework == "torch" else arrays["labels"].astype(dtype)
+    fn = torch_kl.fused_linear_kl_div if framework == "torch" else jax_kl.fused_linear_kl_div
+    for hard in (0.0, 0.5):
+        with pytest.raises(TypeError, match=rf"^labels: {dtype} cannot hold ignore_index \({ignore_index}\)"):
+            fn(arrays["x"], arrays["weight"], arrays["target"], labels, ignore_index=ignore_index,
+               weight_hard_loss=hard)
 
 
 def test_torch_bridge_refuses_a_process_group() -> None:
@@ -139,11 +155,48 @@ def test_jax_bridge_refuses_a_mesh_and_axes() -> None:
     assert float(got) == pytest.approx(float(jax_kl.fused_linear_kl_div(x, w, t, backend="xla")), rel=1e-6)
 
 
-@pytest.mark.parametrize(("old", "new"), [("torch/jax", "torch/pallas"), ("jax/pallas_triton", "jax/pallas")])
-def test_old_backend_names_still_work(old: str, new: str) -> None:
+# Two names of one backend on this machine: torch's alias of the Pallas bridge, and JAX's Pallas
+# backend, which lowers through Triton where Mosaic GPU cannot run.
+SAME_BACKEND = [("torch/jax", "torch/pallas"), ("jax/pallas_triton", "jax/pallas")]
+
+
+@pytest.mark.parametrize(("name", "same_as"), SAME_BACKEND)
+def test_two_names_of_one_backend_give_the_same_bits(name: str, same_as: str) -> None:
     inp = make_inputs(7, 4, 13, target_format="logits")
-    a, b = run(old, inp, beta=0.5), run(new, inp, beta=0.5)
+    a, b = run(name, inp, beta=0.5), run(same_as, inp, beta=0.5)
     assert a.loss == b.loss and np.array_equal(a.grad_x, b.grad_x) and np.array_equal(a.grad_weight, b.grad_weight)
+
+
+WRONG_SIGN = {  # (make_inputs keywords, the entry, its value, the message)
+    "negative probability": (dict(), (2, 3), -1e-3, "expected probabilities >= 0"),
+    "top-k log-probability above 0": (dict(target_format="topk_log_probs", k=3), (4, 1), 0.25,
+                                      "expected log-probabilities <= 0"),
+}
+
+
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+@pytest.mark.parametrize("case", WRONG_SIGN)
+def test_teacher_values_of_the_wrong_sign_are_refused_where_concrete(framework: str, case: str) -> None:
+    """A negative probability or a top-k log-probability above 0 raises in an eager call;
+    under ``jax.jit`` and ``torch.compile`` the values are not read (docs/contract.md)."""
+    shape, entry, value, message = WRONG_SIGN[case]
+    inp = make_inputs(6, 4, 11, **shape)
+    inp.target[entry] = value
+    if framework == "torch":
+        a = torch_tensors(inp)
+        a.pop("bias")
+        fn, compiled = torch_kl.fused_linear_kl_div, torch.compile(torch_kl.fused_linear_kl_div, fullgraph=True,
+                                                                   backend="eager")
+    else:
+        a = _jax_arrays(inp)
+        a.pop("bias")
+        a["target_format"] = inp.target_format
+        fn, compiled = jax_kl.fused_linear_kl_div, jax.jit(jax_kl.fused_linear_kl_div, static_argnames="target_format")
+    args = [a.pop(k) for k in ("x", "weight", "target", "labels")]
+    with pytest.raises(ValueError, match=rf"^target: {message} \(target_format='{inp.target_format}'\)"):
+        fn(*args, **a)
+    assert float(fn(*args, **a, weight_soft_loss=0.0, weight_hard_loss=1.0)) > 0  # the teacher is not read
+    assert math.isfinite(float(compiled(*args, **a)))
 
 
 def test_unknown_backend_lists_the_framework_choices() -> None:

@@ -3,17 +3,16 @@ backend, run under autograd."""
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
 
 from fused_kl.checks import cross_entropy_reduction
+from fused_kl.options import Needs
 
 from . import compiled
 from .autograd import FusedLinearLossFunction
-from .backends import compute_of
-from .driver import Needs
+from .backends import Backend
 from .layout import Layout
 from .teachers import TeacherArrays
 from .validate import validate, widen_indices
@@ -29,8 +28,8 @@ def _autocast(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
 
 
 def _run(arrays: dict[str, Any], layout: Layout, with_teacher: bool, options: dict[str, Any]) -> torch.Tensor:
-    arrays = widen_indices(arrays)
-    shapes, loss, run, wait = validate(arrays, layout, with_teacher=with_teacher, **options)
+    shapes, loss, run, backend, wait = validate(arrays, layout, with_teacher=with_teacher, **options)
+    arrays = widen_indices(arrays)  # after the checks, which see the caller's dtypes
     x, weight, bias = _autocast(arrays["x"], arrays["weight"], arrays["bias"])
     n = shapes.n
     x2 = x.reshape(n, shapes.h)
@@ -42,19 +41,18 @@ def _run(arrays: dict[str, Any], layout: Layout, with_teacher: bool, options: di
     labels1 = None if labels is None else labels.reshape(n)
     tw, tb = arrays.get("teacher_weight"), arrays.get("teacher_bias")
     tw, tb = (None if a is None else a.detach() for a in (tw, tb))
-    compute = compute_of(run.backend)
-    if wait is not None:  # the eager value check, waited for once the first GEMMs are queued
-        compute = functools.partial(compute, ready=wait)
+    # ``wait``: the eager value check, waited for once the first GEMMs are queued.
     with torch.autocast(x.device.type, enabled=False):
         grad_wanted = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
         teacher = TeacherArrays(target2, tw, tb, idx2)
         if torch.compiler.is_compiling():
             needs = Needs(*(grad_wanted and t is not None and t.requires_grad for t in (x2, weight, bias)))
-            return compiled.apply(x2, weight, bias, teacher, labels1, loss, run, layout, needs)
+            return compiled.apply(x2, weight, bias, teacher, labels1, loss, run, layout, needs, backend)
         if not grad_wanted:
-            return compute(x2, weight, bias, teacher, labels1, loss, run, layout, Needs())[0]
+            value = backend.compute(x2, weight, bias, teacher, labels1, loss, run, layout, Needs(), backend, ready=wait)
+            return value[0]
         return FusedLinearLossFunction.apply(
-            x2, weight, bias, target2, tw, tb, idx2, labels1, loss, run, layout, compute
+            x2, weight, bias, target2, tw, tb, idx2, labels1, loss, run, layout, backend, wait
         )
 
 
@@ -73,7 +71,7 @@ def fused_linear_kl_div(
     teacher_temperature: float | None = None,
     accum_dtype: torch.dtype | None = None,
     chunk_size: int | None = None,
-    backend: str = "auto",
+    backend: str | Backend = "auto",
     beta: float = 0.0,
     weight_hard_loss: float = 0.0,
     weight_soft_loss: float = 1.0,
@@ -104,7 +102,9 @@ def fused_linear_kl_div(
         weight_soft_loss, weight_hard_loss, label_smoothing: ``w_soft * soft + w_hard * CE(labels)``.
         logit_scale, softcap: the student's logit transform (Cohere, Gemma-2/3); ``teacher_*`` the teacher's.
         reduction, temperature, eps, teacher_temperature: see docs/contract.md.
-        accum_dtype, chunk_size, backend: how it runs (never what it computes).
+        accum_dtype, chunk_size, backend: how it runs (never what it computes); ``backend`` a name of
+            ``torch_kl.backends.NAMES`` or a value of ``torch_kl.backends.resolve`` (a variant of one
+            made with ``dataclasses.replace``).
         batch_group, vocab_group: ``torch.distributed`` groups for rows or vocabulary sharded.
 
     Returns:
@@ -157,7 +157,7 @@ def fused_linear_cross_entropy(
     softcap: float | None = None,
     accum_dtype: torch.dtype | None = None,
     chunk_size: int | None = None,
-    backend: str = "auto",
+    backend: str | Backend = "auto",
     batch_group: Any = None,
     vocab_group: Any = None,
 ) -> torch.Tensor:

@@ -7,31 +7,28 @@ from collections.abc import Callable
 import torch
 
 from fused_kl.loss import Loss
-from fused_kl.options import RunOptions
+from fused_kl.options import Needs, RunOptions
 
-from .driver import Needs
+from .backends import Backend
 from .layout import Layout
 from .teachers import TeacherArrays
 
 
-def _scale_(grad: torch.Tensor, g: torch.Tensor, backend: str) -> torch.Tensor:
-    """``grad *= g`` in place, in float32 and rounded once (as JAX's backward does).
-
-    Where Triton runs (CUDA, or the Triton backend under the interpreter) a contiguous
-    gradient goes through ``rescale``, which skips a unit ``g`` on the device.
-    """
-    if grad.is_contiguous() and (backend == "triton" or grad.is_cuda):
-        from .backends.rescale import scale_
-
-        return scale_(grad, g)
+def _scale_(grad: torch.Tensor, g: torch.Tensor, backend: Backend) -> torch.Tensor:
+    """``grad *= g`` in place, in float32 and rounded once (as JAX's backward does): a contiguous
+    gradient through the backend's ``scale_grad`` where it has one (it skips a unit ``g`` on
+    the device)."""
+    if grad.is_contiguous() and backend.scale_grad is not None:
+        return backend.scale_grad(grad, g)
     return grad.copy_(grad.to(torch.float32) * g)
 
 
 class FusedLinearLossFunction(torch.autograd.Function):
     """The fused loss of ``x @ weight.T (+ bias)``, its gradients made in the forward pass.
 
-    ``compute`` is the backend (the chunk driver, or the bridge to the Pallas kernels). Only
-    the gradients whose inputs require grad are computed; the teacher's arrays get none.
+    ``backend.compute`` runs it (the chunk driver, or the bridge to the Pallas kernels), after
+    ``ready()`` where given (the eager value check's wait). Only the gradients whose inputs
+    require grad are computed; the teacher's arrays get none.
     Backward multiplies them in place by the upstream gradient (on the GPU, a no-op when it
     is 1), so no second copy of ``grad_weight`` is ever held; as a consequence a graph through
     this function can be backpropagated once.
@@ -51,19 +48,27 @@ class FusedLinearLossFunction(torch.autograd.Function):
         loss: Loss,
         run: RunOptions,
         layout: Layout,
-        compute: Callable,
+        backend: Backend,
+        ready: Callable[[], None] | None,
     ):
         needs = Needs(
             x=ctx.needs_input_grad[0], weight=ctx.needs_input_grad[1], bias=bias is not None and ctx.needs_input_grad[2]
         )
         teacher = TeacherArrays(target, teacher_weight, teacher_bias, target_indices)
-        value, grad_x, grad_w, grad_b = compute(x, weight, bias, teacher, labels, loss, run, layout, needs)
+        value, grad_x, grad_w, grad_b = backend.compute(
+            x, weight, bias, teacher, labels, loss, run, layout, needs, backend, ready=ready
+        )
         ctx.grads = (grad_x, grad_w, grad_b)
-        ctx.backend = run.backend
+        ctx.backend = backend
         return value
 
     @staticmethod
     def backward(ctx, grad_loss):  # type: ignore[override]
+        if torch.is_grad_enabled():  # backward(create_graph=True): a second derivative is asked for
+            raise RuntimeError(
+                "fused linear loss: double backward (create_graph=True, a gradient of the gradient) is not "
+                "supported: the gradients are made in the forward pass, without a graph of their own"
+            )
         if ctx.grads is None:
             raise RuntimeError(
                 "fused linear loss: backward ran twice through the same graph; its saved gradients "
@@ -71,4 +76,4 @@ class FusedLinearLossFunction(torch.autograd.Function):
             )
         grad_x, grad_w, grad_b = (None if g is None else _scale_(g, grad_loss, ctx.backend) for g in ctx.grads)
         ctx.grads = None
-        return grad_x, grad_w, grad_b, *([None] * 9)
+        return grad_x, grad_w, grad_b, *([None] * 10)

@@ -2,27 +2,62 @@
 
 Inside ``torch.compile`` (and CUDA graphs through ``mode="reduce-overhead"``) the chunk driver
 runs as one op with a fake implementation: Dynamo traces no Python of ours and Inductor never
-re-lowers our Triton kernels or reasons about their in-place writes into chunk views (both
-went wrong when it tried: a float64 loop-carried statistic, then all-zero gradients on the
-H200). The op returns the gradients as outputs; its backward multiplies them by the upstream
-gradient, a pointwise kernel that Inductor may run in place. Eager calls keep
+re-lowers our Triton kernels or reasons about their in-place writes into chunk views, which it
+gets wrong (a loop-carried statistic promoted to float64; all-zero gradients on the H200). The
+op returns the gradients as outputs; its backward multiplies them by the upstream gradient, a
+pointwise kernel that Inductor may run in place. Eager calls keep
 ``autograd.FusedLinearLossFunction``, whose backward scales the saved gradients in place.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import importlib
+import types
+
 import torch
 
 from fused_kl.loss import Loss, Teacher
-from fused_kl.options import RunOptions
+from fused_kl.options import Needs, RunOptions
 
-from .backends import compute_of
-from .driver import Needs
+from .backends import REGISTRY, Backend
 from .layout import Layout
 from .teachers import TeacherArrays
 
+# What a Backend runs, crossing the op as import paths: ``module`` or ``module:function``.
+_PARTS = tuple(f.name for f in dataclasses.fields(Backend) if f.name != "entry")
 
-def _encode(loss: Loss, run: RunOptions, layout: Layout) -> tuple[list[float], list[int], str]:
+
+def _path(part: object) -> str:
+    if part is None:
+        return ""
+    if isinstance(part, types.ModuleType):
+        return part.__name__
+    return f"{part.__module__}:{part.__name__}"  # type: ignore[attr-defined]
+
+
+def _load(path: str) -> object:
+    if not path:
+        return None
+    module, _, name = path.partition(":")
+    found = importlib.import_module(module)
+    return getattr(found, name) if name else found
+
+
+def _encode_backend(backend: Backend) -> str:
+    """The backend value as a string the op takes: its name and the import paths of its parts
+    (module-level functions and modules), so that a ``dataclasses.replace`` variant crosses too."""
+    return ";".join([backend.name, *(_path(getattr(backend, part)) for part in _PARTS)])
+
+
+@functools.cache
+def _decode_backend(encoded: str) -> Backend:
+    name, *paths = encoded.split(";")
+    return Backend(REGISTRY[name], **{part: _load(path) for part, path in zip(_PARTS, paths, strict=True)})
+
+
+def _encode(loss: Loss, run: RunOptions, layout: Layout, backend: Backend) -> tuple[list[float], list[int], str]:
     """The static arguments as the numbers and the string a custom op takes."""
     t = loss.teacher
     floats = [
@@ -37,13 +72,13 @@ def _encode(loss: Loss, run: RunOptions, layout: Layout) -> tuple[list[float], l
     if t is not None:
         floats += [t.temperature, t.logit_scale, -1.0 if t.softcap is None else t.softcap, t.eps]
     groups = [_group_name(g) for g in (layout.batch_group, layout.vocab_group)]
-    strs = [loss.reduction, run.backend, run.accum_dtype or "", *groups] + (
+    strs = [loss.reduction, _encode_backend(backend), run.accum_dtype or "", *groups] + (
         [] if t is None else [t.format, t.topk_tail]
     )
     return floats, [loss.ignore_index, run.chunk_size or 0], "|".join(strs)
 
 
-def _decode(floats: list[float], ints: list[int], joined: str) -> tuple[Loss, RunOptions, Layout]:
+def _decode(floats: list[float], ints: list[int], joined: str) -> tuple[Loss, RunOptions, Layout, Backend]:
     strs = joined.split("|")
     cap = lambda c: None if c < 0 else c
     teacher = None
@@ -52,8 +87,8 @@ def _decode(floats: list[float], ints: list[int], joined: str) -> tuple[Loss, Ru
     loss = Loss(
         strs[0], ints[0], floats[0], floats[1], floats[2], floats[3], floats[4], floats[5], cap(floats[6]), teacher
     )
-    run = RunOptions(strs[2] or None, ints[1] or None, strs[1])
-    return loss, run, Layout(*(_group(name) for name in strs[3:5]))
+    run = RunOptions(strs[2] or None, ints[1] or None)
+    return loss, run, Layout(*(_group(name) for name in strs[3:5])), _decode_backend(strs[1])
 
 
 def _group_name(group) -> str:
@@ -79,11 +114,10 @@ def fused_linear_loss_op(
     labels: torch.Tensor | None, floats: list[float], ints: list[int], strs: str, needs_x: bool,
     needs_weight: bool, needs_bias: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    loss, run, layout = _decode(floats, ints, strs)
-    compute = compute_of(run.backend)
+    loss, run, layout, backend = _decode(floats, ints, strs)
     needs = Needs(needs_x, needs_weight, needs_bias)
     teacher = TeacherArrays(target, teacher_weight, teacher_bias, target_indices)
-    value, gx, gw, gb = compute(x, weight, bias, teacher, labels, loss, run, layout, needs)
+    value, gx, gw, gb = backend.compute(x, weight, bias, teacher, labels, loss, run, layout, needs, backend)
     return value, _empty(x) if gx is None else gx, _empty(weight) if gw is None else gw, _empty(x) if gb is None else gb
 
 
@@ -131,8 +165,9 @@ fused_linear_loss_op.register_autograd(_backward, setup_context=_setup)
 
 
 def apply(
-    x, weight, bias, teacher: TeacherArrays, labels, loss: Loss, run: RunOptions, layout: Layout, needs: Needs
-) -> torch.Tensor:
+    x, weight, bias, teacher: TeacherArrays, labels, loss: Loss, run: RunOptions, layout: Layout, needs: Needs,
+    backend: Backend,
+) -> torch.Tensor:  # fmt: skip
     """The loss through the custom op (its gradients flow through its autograd formula)."""
     return fused_linear_loss_op(
         x,
@@ -143,7 +178,7 @@ def apply(
         teacher.bias,
         teacher.indices,
         labels,
-        *_encode(loss, run, layout),
+        *_encode(loss, run, layout, backend),
         needs.x,
         needs.weight,
         needs.bias,

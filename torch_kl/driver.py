@@ -9,33 +9,23 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from fused_kl import rowmath
 from fused_kl.chunk import local_labels, row_phases, topk_part
 from fused_kl.loss import Loss
-from fused_kl.options import RunOptions
+from fused_kl.options import Needs, RunOptions
 from fused_kl.plan import plan_chunks
 
 from . import teachers
-from .backends import factored_of, fused_logits_of, phases_of, plain_logits_of
 from .layout import Layout
 from .ops import OPS
 from .teachers import TeacherArrays
 
-
-@dataclass(frozen=True)
-class Needs:
-    """Which gradients to compute; all False computes the loss alone."""
-
-    x: bool = False
-    weight: bool = False
-    bias: bool = False
-
-    @property
-    def any(self) -> bool:
-        return self.x or self.weight or self.bias
+if TYPE_CHECKING:
+    from .backends import Backend
 
 
 _OUT_DTYPE: dict[tuple[str, torch.dtype], bool] = {}
@@ -43,7 +33,7 @@ _OUT_DTYPE: dict[tuple[str, torch.dtype], bool] = {}
 
 def _has_out_dtype(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether ``torch.mm``/``torch.addmm`` take ``out_dtype=float32`` for ``dtype`` operands here
-    (torch >= 2.8, CUDA): a float32 accumulator is then written by the GEMM itself."""
+    (CUDA): a float32 accumulator is then written by the GEMM itself."""
     key = (device.type, dtype)
     if key not in _OUT_DTYPE:
         a = torch.zeros(1, 1, dtype=dtype, device=device)
@@ -112,33 +102,34 @@ def _allocate(x, weight, needs: Needs, run: RunOptions, has_chunks: bool, out: d
 
 
 def _factored_chunk(
-    factored, exp: tuple, z, xc, weight, y, y_local, keep, scales, topk, v0: int, grads: Grads, start: int,
+    backend: Backend, exp: tuple, z, xc, weight, y, y_local, keep, scales, topk, v0: int, grads: Grads, start: int,
     weights, loss: Loss, layout, v_total: int,
 ) -> torch.Tensor:  # fmt: skip
     """The rows' losses of a chunk whose logits GEMM wrote ``E`` (``exp``: ``exp_logits``'s
-    ``(stats, tiles)``, ``backends/triton_factored``), and its gradients:
+    ``(stats, tiles)``, ``backend.factored``), and its gradients:
     ``grad_x = diag(alpha) (E W)``, ``grad_W += E^T (diag(alpha) x)``."""
+    factored = backend.factored
     local_stats, tiles = exp
     stats = layout.combine_stats(local_stats(y_local))
     c_soft, c_hard = scales
-    soft, sparse, beta = None, None, c_hard
+    soft, sparse, q_factor = None, None, c_hard
     if topk is not None:  # the student's logits at the teacher's tokens come from E
-        if layout.vocab_group is None:  # the whole part in one kernel (its module docstring)
-            from .backends.triton_topk import topk_part as topk_kernel
-
-            soft, k, at, g_at, write = topk_kernel(z, tiles, topk, y, stats, (c_soft, c_hard), xc, weight, loss)
+        if backend.factored_topk is not None and layout.vocab_group is None:  # the whole part in one kernel
+            soft, k, at, g_at, write = backend.factored_topk(
+                z, tiles, topk, y, stats, (c_soft, c_hard), xc, weight, loss
+            )  # fmt: skip
         else:  # a collective between its sums
             soft, k, at, g_at, write = topk_part(
                 lambda at, inside: factored.logits_at(z, tiles, at, inside, xc, weight, loss),
                 topk, y, scales, v0, z.shape[1], stats, loss, v_total, layout, OPS,
             )  # fmt: skip
-        beta = c_soft * k + (c_hard if loss.hard else 0.0)
+        q_factor = c_soft * k + (c_hard if loss.hard else 0.0)
         sparse = (at, g_at, write)
     labels_ok = True if y is None else (y >= 0) & (y < v_total)
     losses = rowmath.row_losses(stats, keep, labels_ok, soft, weights, loss, v_total, torch)
     if grads.x is None and grads.weight is None:
         return losses
-    alpha = factored.settle(z, tiles, stats, beta, c_hard, y_local, loss, sparse, OPS.set_at)
+    alpha = factored.settle(z, tiles, stats, q_factor, c_hard, y_local, loss, sparse, OPS.set_at)
     if grads.x is not None:
         factored.scale_rows(_mm_f32(z, weight), alpha, grads.x[start : start + z.shape[0]])
     if grads.weight is not None:
@@ -165,10 +156,14 @@ def forward(
     run: RunOptions,
     layout: Layout,
     needs: Needs,
+    backend: Backend,
+    *,
     out: dict[str, torch.Tensor] | None = None,
     ready: Callable[[], None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """Loss and the needed gradients of 2-D inputs ``x [N, H]``, ``labels [N]`` and a teacher.
+    """Loss and the needed gradients of 2-D inputs ``x [N, H]``, ``labels [N]`` and a teacher,
+    with the kernels of ``backend``: the entry a bridge calls, ``jax_kl.driver.forward``'s
+    signature (and torch's two keywords).
 
     ``out`` may hold preallocated ``loss``/``grad_x``/``grad_weight``/``grad_bias`` to write into;
     ``ready()``, if given, runs before any kernel reads ``labels`` or the teacher's token ids (it
@@ -179,13 +174,12 @@ def forward(
     v, dev = weight.shape[0], x.device
     v0, v_total = layout.vocab_start(v), v * layout.vocab_shards
     plan = plan_chunks(n, v, x.element_size(), run.chunk_size, loss.teacher_head, blocks=True)
-    phases = phases_of(run.backend)
+    phases = backend.phases
 
     rows = plan.chunk_rows if n else 0
     buf = torch.empty(rows, v, dtype=x.dtype, device=dev)  # logits, then dL/dz in place
     t_buf = torch.empty(plan.block_rows, v, dtype=teacher.target.dtype, device=dev) if loss.teacher_head else None
-    fused_logits, factored = fused_logits_of(run.backend), factored_of(run.backend)
-    plain_logits = plain_logits_of(run.backend)
+    fused_logits, factored = backend.fused_logits, backend.factored
 
     def logits(start: int, stop: int) -> tuple:
         """The chunk's logits GEMM, which reads no label nor token id: ``(E's (stats, tiles) if
@@ -204,7 +198,7 @@ def forward(
         return exp, stats
 
     def teacher_block(start: int, stop: int) -> torch.Tensor | None:
-        return teachers.dense_chunk(loss, teacher, start, stop, t_buf, plain_logits)
+        return teachers.dense_chunk(loss, teacher, start, stop, t_buf, backend.plain_logits)
 
     # The first chunk's GEMMs (its first teacher block's, then the student's) are queued before
     # the host waits for the eager value check (``ready``) and before the call's small setup
@@ -217,8 +211,8 @@ def forward(
         ready()
     keep = torch.ones(n, dtype=torch.bool, device=dev) if labels is None else labels != loss.ignore_index
     kept = layout.batch_sum(keep.sum(dtype=torch.float32))
-    weights = rowmath.scales(kept, loss, v_total, x.dtype == torch.float16, torch)
-    scales = rowmath.row_scales(keep, weights, loss, torch)
+    weights = rowmath.loss_weights(kept, loss, v_total, x.dtype == torch.float16, torch)
+    scales = rowmath.grad_scales(keep, weights, loss, torch)
     grads = _allocate(x, weight, needs, run, bool(plan.bounds), out)
     row_loss = torch.empty(n, dtype=torch.float32, device=dev)
     for start, stop in plan.bounds:
@@ -228,7 +222,7 @@ def forward(
         y_local = local_labels(y, v0, loss)
         topk = None if teacher.indices is None else (teacher.target[start:stop], teacher.indices[start:stop])
         if exp is not None:
-            row_loss[start:stop] = _factored_chunk(factored, exp, z, xc, weight, y, y_local, keep[start:stop],
+            row_loss[start:stop] = _factored_chunk(backend, exp, z, xc, weight, y, y_local, keep[start:stop],
                                                    tuple(s[start:stop] for s in scales), topk, v0, grads, start,
                                                    weights, loss, layout, v_total)  # fmt: skip
             continue
@@ -251,7 +245,7 @@ def forward(
         if grads.bias is not None:
             grads.bias.add_(z.sum(0, dtype=torch.float32))
 
-    unscale = weights[2]
+    unscale = weights.unscale
     if unscale is not None:  # float16; exact: a power of two
         for grad in (grads.x, grads.weight, grads.bias):
             if grad is not None:

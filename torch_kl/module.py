@@ -8,7 +8,13 @@ from collections.abc import Callable
 
 import torch
 
+from fused_kl.checks import check_options, cross_entropy_reduction
+
 from .api import fused_linear_cross_entropy, fused_linear_kl_div
+
+# The options check_options validates at construction: all but the accumulation dtype (a
+# torch.dtype here, which the call checks) and the flag that is not an option.
+_CHECKED = set(inspect.signature(check_options).parameters) - {"accum_dtype", "with_teacher"}
 
 
 def _constructor_options(options: dict, fn: Callable, taken: tuple[str, ...]) -> dict:
@@ -22,6 +28,12 @@ def _constructor_options(options: dict, fn: Callable, taken: tuple[str, ...]) ->
         if name not in known:
             raise TypeError(f"{name}: not a keyword of torch_kl.{fn.__name__}")
     return options
+
+
+def _check_values(options: dict, with_teacher: bool = True) -> None:
+    """Refuse now, with the call's own messages, a value every call would refuse (``beta=5``,
+    ``temperature=0``) instead of at the first ``forward``."""
+    check_options(**{k: v for k, v in options.items() if k in _CHECKED}, with_teacher=with_teacher)
 
 
 class FusedLinearKLDivLoss(torch.nn.Module):
@@ -52,6 +64,7 @@ class FusedLinearKLDivLoss(torch.nn.Module):
             accum_dtype=accum_dtype,
             **_constructor_options(options, fused_linear_kl_div, ("x", "weight", "target", "labels", "bias")),
         )
+        _check_values(self.options)
 
     def forward(
         self,
@@ -108,6 +121,7 @@ class FusedLinearJSDLoss(torch.nn.Module):
                 ("target_format", "reduction", "bias", "teacher_weight", "teacher_bias", "labels"),
             ),
         )
+        _check_values(dict(self.options, weight_soft_loss=weight_soft_loss, weight_hard_loss=weight_hard_loss))
 
     def forward(
         self,
@@ -141,6 +155,8 @@ class FusedLinearCrossEntropyLoss(torch.nn.Module):
     def __init__(self, **options: object) -> None:
         super().__init__()
         self.options = _constructor_options(options, fused_linear_cross_entropy, ("x", "weight", "labels", "bias"))
+        reduction = cross_entropy_reduction(self.options.get("reduction", "mean"))
+        _check_values(dict(self.options, reduction=reduction, weight_hard_loss=1.0, weight_soft_loss=0.0), False)
 
     def forward(
         self, x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, bias: torch.Tensor | None = None

@@ -17,7 +17,7 @@ OPS = ChunkOps(
         1, at, torch.where(mask, values - g.gather(1, at).float(), 0.0).to(g.dtype)
     ),
     f32=lambda a: a.float(),
-    settle=lambda z, values: (z, values),  # eager: already made
+    materialize=lambda z, values: (z, values),  # eager: already made
 )
 
 

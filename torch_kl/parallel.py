@@ -12,7 +12,8 @@ ranks. For each call:
   taken as this rank's rows already;
 * head arguments (``weight``, ``bias``, teacher heads): a ``Replicate`` DTensor is used
   locally, its gradient reported as ``Partial`` so that DTensor sums the ranks' shares; a
-  plain tensor gets this rank's share of the gradient (sum it across ranks yourself). A
+  plain tensor (an ``nn.Linear`` head's weight) gets the same sum, all-reduced over the mesh
+  in backward: every rank's ``.grad`` is the global loss's gradient. A
   ``Shard`` DTensor (FSDP2's ``fully_shard`` on the head) is refused with a ``ValueError``:
   gathering it here would send its gradient around FSDP2's reduce-scatter and its gradient
   divide factor, scaled differently from every other parameter's. Compute the loss where
@@ -109,9 +110,27 @@ def _same_mesh(name: str, a: DTensor, mesh: DeviceMesh) -> None:
         raise ValueError(f"{name}: a DTensor on {a.device_mesh}, expected one on the style's mesh {mesh}")
 
 
+class _SumGradOverRanks(torch.autograd.Function):
+    """The identity, whose backward sums the gradient over ``group`` (an all-reduce): a plain
+    head's gradient, as DTensor sums a ``Partial`` one."""
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, group: Any) -> torch.Tensor:  # type: ignore[override]
+        ctx.group = group
+        return a.view_as(a)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        grad = grad.clone(memory_format=torch.contiguous_format)
+        torch.distributed.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
 def _head(name: str, a: Any, mesh: DeviceMesh) -> Any:
     if not isinstance(a, DTensor):
-        return a  # this rank's copy: its gradient is this rank's share
+        if isinstance(a, torch.Tensor) and a.requires_grad and torch.is_grad_enabled():
+            return _SumGradOverRanks.apply(a, mesh.get_group())
+        return a
     _same_mesh(name, a, mesh)
     if any(isinstance(p, Shard) for p in a.placements):
         raise ValueError(

@@ -3,7 +3,6 @@ indices' values: before any kernel reads them, see :func:`check_values`)."""
 
 from __future__ import annotations
 
-import dataclasses
 import zlib
 from collections.abc import Callable
 
@@ -16,6 +15,7 @@ from fused_kl.checks import (
     check_int32_ignore_index,
     check_options,
     check_value_summary,
+    target_values_checked,
     value_summary,
     widened_index_dtype,
 )
@@ -23,6 +23,7 @@ from fused_kl.loss import Loss
 from fused_kl.options import RunOptions
 
 from . import backends
+from .backends import Backend
 from .layout import Layout
 
 
@@ -56,6 +57,12 @@ def facts(name: str, value: object) -> ArrayFacts:
             "array (call the loss where FSDP2 has unsharded the head), a local slice with batch_group= / "
             "vocab_group=, or use torch_kl.parallel.LinearLossParallel"
         )
+    if not torch.compiler.is_compiling() and torch._C._functorch.is_functorch_wrapped_tensor(value):
+        raise TypeError(
+            f"{name}: a tensor of a torch.func transform (grad, vmap, jacrev, ...), which the fused loss does not "
+            "support: its gradients are made in its forward pass; use loss.backward() or torch.autograd.grad, "
+            "and a loop over problems instead of vmap"
+        )
     return ArrayFacts(tuple(value.shape), _dtype_name(value.dtype), _kind(value.dtype), str(value.device))
 
 
@@ -68,10 +75,13 @@ def _concrete() -> bool:
 
 
 def check_values(
-    loss: Loss, labels: torch.Tensor | None, indices: torch.Tensor | None, v_total: int
-) -> Callable[[], None] | None:
-    """Value checks of labels (hard term) and top-k indices, in eager mode only: under
-    ``torch.compile`` a bad row's loss is NaN instead (reading values would break the graph).
+    loss: Loss, labels: torch.Tensor | None, indices: torch.Tensor | None, v_total: int,
+    target: torch.Tensor | None = None,
+) -> Callable[[], None] | None:  # fmt: skip
+    """Value checks of labels (hard term), top-k indices and the teacher's sign
+    (``fused_kl.checks.target_values_checked``), in eager mode only: under ``torch.compile`` a
+    bad row's loss is NaN instead (reading values would break the graph); the teacher's values
+    are not checked there.
 
     Returns ``wait()``, which raises on a bad value (None when there is nothing to check). The
     extremes and the duplicate flag are reduced on the device and copied back in one transfer,
@@ -82,12 +92,15 @@ def check_values(
         return None
     check_labels = loss.hard and labels is not None and labels.numel() > 0
     check_indices = indices is not None and indices.numel() > 0
+    check_target = target_values_checked(loss) and target is not None and target.numel() > 0
     parts = value_summary(
         labels if check_labels else None,
         indices if check_indices else None,
         loss.ignore_index,
         lambda a: a.sort(-1).values,
         torch,
+        target.detach() if check_target else None,  # type: ignore[union-attr]
+        loss.teacher.format if check_target else "probs",  # type: ignore[union-attr]
     )
     if not parts:
         return None
@@ -103,7 +116,7 @@ def check_values(
     def wait() -> None:
         if done is not None:
             done.synchronize()
-        check_value_summary(summary.tolist(), loss, check_labels, check_indices, v_total)
+        check_value_summary(summary.tolist(), loss, check_labels, check_indices, v_total, check_target)
 
     return wait
 
@@ -121,10 +134,11 @@ def widen_indices(arrays: dict[str, object]) -> dict[str, object]:
 
 def validate(
     arrays: dict[str, object], layout: Layout, *, accum_dtype: object, with_teacher: bool = True, **options: object
-) -> tuple[Shapes, Loss, RunOptions, Callable[[], None] | None]:
-    """Check every argument; return the problem's sizes, the loss, the run options and the
-    value check's ``wait()`` (see :func:`check_values`; the caller runs it before any kernel
-    reads labels or token ids).
+) -> tuple[Shapes, Loss, RunOptions, Backend, Callable[[], None] | None]:
+    """Check every argument; return the problem's sizes, the loss, the run options, the backend
+    resolved (``backends.resolve``: the value everything after runs) and the value check's
+    ``wait()`` (see :func:`check_values`; the caller runs it before any kernel reads labels or
+    token ids).
 
     With a group, the value check is waited for here and the ranks then compare their calls
     (``Layout.agree``): a rank whose own arguments are rejected still takes part, so that every
@@ -138,14 +152,14 @@ def validate(
     if torch.compiler.is_compiling():  # the ranks' comparison reads gathered values: not in a graph
         return _validate(arrays, layout, accum_dtype, with_teacher, options)
     try:
-        shapes, loss, run, wait = _validate(arrays, layout, accum_dtype, with_teacher, options)
+        shapes, loss, run, backend, wait = _validate(arrays, layout, accum_dtype, with_teacher, options)
         if wait is not None:
             wait()
     except (TypeError, ValueError):
         layout.agree(None, device)
         raise
     layout.agree(_facts(arrays, shapes, loss, run), device)
-    return shapes, loss, run, None
+    return shapes, loss, run, backend, None
 
 
 def _facts(arrays: dict[str, object], shapes: Shapes, loss: Loss, run: RunOptions) -> tuple[int, ...]:
@@ -161,7 +175,7 @@ def _facts(arrays: dict[str, object], shapes: Shapes, loss: Loss, run: RunOption
 
 def _validate(
     arrays: dict[str, object], layout: Layout, accum_dtype: object, with_teacher: bool, options: dict[str, object]
-) -> tuple[Shapes, Loss, RunOptions, Callable[[], None] | None]:
+) -> tuple[Shapes, Loss, RunOptions, Backend, Callable[[], None] | None]:
     if accum_dtype is not None and not isinstance(accum_dtype, torch.dtype):
         raise TypeError(
             f"accum_dtype: expected None or a torch.dtype, got {type(accum_dtype).__name__} {accum_dtype!r}"
@@ -185,5 +199,7 @@ def _validate(
         )
     if chosen.name == "pallas" and arrays.get("labels") is not None:
         check_int32_ignore_index(loss.ignore_index, "backend 'pallas' hands the labels to JAX as int32")
-    wait = check_values(loss, arrays.get("labels"), arrays.get("target_indices"), shapes.v * shards)  # type: ignore[arg-type]
-    return shapes, loss, dataclasses.replace(run, backend=chosen.name), wait
+    wait = check_values(
+        loss, arrays.get("labels"), arrays.get("target_indices"), shapes.v * shards, arrays.get("target")  # type: ignore[arg-type]
+    )
+    return shapes, loss, run, chosen, wait

@@ -1,13 +1,17 @@
-"""The backends of ``jax_kl``, named for the kernel they run: the one registry.
+"""The backends of ``jax_kl``, named for the kernel they run: the one registry (mirror of
+``torch_kl/backends``).
 
-``"auto"`` picks the first backend of ``AUTO_ORDER`` that can run here. ``"pallas"`` runs the
-Pallas kernels on Mosaic GPU where they can run (Hopper or newer, jax >= 0.11), else lowered
-through Triton; ``"pallas_mosaic"`` and ``"pallas_triton"`` force one of the two.
+:func:`resolve` turns a ``backend=`` name into a :class:`Backend` value once, at validation;
+everything after it (``custom_vjp``, the sharding, the chunk driver) runs what that value carries
+and looks no name up. ``"auto"`` picks the first backend of ``AUTO_ORDER`` that can run here.
+``"pallas"`` runs the Pallas kernels on Mosaic GPU where they can run (Hopper or newer,
+jax >= 0.11) and the chunk fits (:meth:`Backend.chunk_phases`), else lowered through Triton;
+``"pallas_mosaic"`` and ``"pallas_triton"`` force one of the two. The bridge (``"triton"``)
+lives in ``fused_kl_bridges``, imported only when it is resolved: ``jax_kl`` never imports ``torch_kl``.
 """
 
 from __future__ import annotations
 
-import importlib
 import os
 import re
 from collections.abc import Callable
@@ -51,107 +55,193 @@ def _torch_triton_missing() -> str | None:
     return None
 
 
+# ``compute(x, weight, bias, teacher, labels, loss, run, layout, needs, backend)``:
+# ``(loss, grad_x, grad_weight, grad_bias)``, the gradients None where ``needs`` says so.
+Compute = Callable[..., tuple]
+
+
 @dataclass(frozen=True)
-class Backend:
-    """``phases``: module of the row phases the chunk driver runs, or None for a backend that
-    brings its own driver (the bridge); ``missing()`` says why it cannot run here, or None;
-    ``in_place_grad_weight``: whether it adds each chunk's ``grad_weight`` GEMM into the
-    accumulator in place (``mosaic_accumulate``) where that kernel runs."""
+class Registered:
+    """A backend by name, before anything of it is imported: what it runs, in words; why it
+    cannot run here (None if it can); ``build(entry)`` imports its kernels and makes its
+    :class:`Backend`; ``tracks_vma``: whether its outputs carry the varying axes that a
+    ``shard_map`` with ``check_vma=True`` checks (Pallas kernels' do not)."""
 
     name: str
     runs: str
     missing: Callable[[], str | None]
-    phases: str | None
+    build: Callable[[Registered], Backend]
     single_device: bool = False
-    in_place_grad_weight: bool = False
+    tracks_vma: bool = True
+
+
+@dataclass(frozen=True)
+class Backend:
+    """A backend resolved: what it runs. A variant is ``dataclasses.replace(backend, ...)``
+    (``in_place_grad_weight=None`` prices that kernel), passed as ``backend=``.
+
+    ``compute``: the entry that runs it (``jax_kl.driver.forward``, or a bridge);
+    ``phases``: the row phases' module the chunk driver runs (None for a bridge);
+    ``mosaic_phases``: the Mosaic GPU row phases, run instead where a chunk fits them
+    (:meth:`chunk_phases`), or None;
+    ``in_place_grad_weight``: the module whose ``accumulate(acc, g, x)`` adds ``gᵀ x`` into
+    ``acc`` in place where its ``fits`` says so (``mosaic_accumulate``), or None where the add
+    is left to XLA."""
+
+    entry: Registered
+    compute: Compute
+    phases: ModuleType | None = None
+    mosaic_phases: ModuleType | None = None
+    in_place_grad_weight: ModuleType | None = None
+
+    @property
+    def name(self) -> str:
+        return self.entry.name
+
+    @property
+    def runs(self) -> str:
+        return self.entry.runs
+
+    @property
+    def single_device(self) -> bool:
+        return self.entry.single_device
+
+    def chunk_phases(self, z: jax.Array, t: object) -> ModuleType:
+        """The row phases of one chunk (``z`` its logits, ``t`` its dense teacher or None): the
+        Mosaic GPU kernels where the backend has them and the TMA can move the chunk (there they
+        are at least as fast as the Triton lowering in every mode), else ``phases``."""
+        if self.mosaic_phases is not None and self.mosaic_phases.fits(z, t):
+            return self.mosaic_phases
+        return self.phases  # type: ignore[return-value]
+
+
+def xla_folds_the_add() -> bool:
+    """Whether ``XLA_FLAGS`` turns XLA's Triton GEMMs off, so that XLA itself folds ``acc + gᵀ x``
+    into a cuBLAS GEMM (beta = 1), a few per cent faster than ``mosaic_accumulate`` on the H200.
+    Options given to ``jit(..., compiler_options=)`` are not visible here."""
+    flags = os.environ.get("XLA_FLAGS", "").lower()
+    return bool(re.search(r"--xla_gpu_enable_triton_gemm=(false|0)\b", flags))
+
+
+def _mosaic_phases() -> ModuleType | None:
+    """``pallas_mosaic`` where Mosaic GPU runs, else None."""
+    if mosaic_missing() is not None:
+        return None
+    from . import pallas_mosaic
+
+    return pallas_mosaic
+
+
+def _in_place_grad_weight() -> ModuleType | None:
+    """``mosaic_accumulate`` where Mosaic GPU runs and XLA does not fold the add itself
+    (:func:`xla_folds_the_add`), else None."""
+    if mosaic_missing() is not None or xla_folds_the_add():
+        return None
+    from . import mosaic_accumulate
+
+    return mosaic_accumulate
+
+
+def _pallas(entry: Registered) -> Backend:
+    from ..driver import forward
+    from . import pallas_triton
+
+    return Backend(entry, forward, pallas_triton, _mosaic_phases(), _in_place_grad_weight())
+
+
+def _pallas_mosaic(entry: Registered) -> Backend:
+    from ..driver import forward
+    from . import pallas_mosaic
+
+    return Backend(entry, forward, pallas_mosaic, in_place_grad_weight=_in_place_grad_weight())
+
+
+def _pallas_triton(entry: Registered) -> Backend:
+    from ..driver import forward
+    from . import pallas_triton
+
+    return Backend(entry, forward, pallas_triton)
+
+
+def _xla(entry: Registered) -> Backend:
+    from ..driver import forward
+    from . import xla_phases
+
+    return Backend(entry, forward, xla_phases)
+
+
+def _triton(entry: Registered) -> Backend:
+    from fused_kl_bridges.triton_for_jax import jax_through_triton
+
+    return Backend(entry, jax_through_triton)
 
 
 REGISTRY = {
     b.name: b
     for b in (
-        Backend(
+        Registered(
             "pallas",
             "the Pallas row kernels, chunked: on Mosaic GPU where it runs, else lowered through Triton"
             " (interpreted on CPU)",
             lambda: None,
-            "pallas_phases",
-            in_place_grad_weight=True,
+            _pallas,
+            tracks_vma=False,
         ),
-        Backend(
+        Registered(
             "pallas_mosaic",
             "the Pallas row kernels on Mosaic GPU (Hopper or newer, jax >= 0.11), chunked",
             mosaic_missing,
-            "pallas_mosaic",
-            in_place_grad_weight=True,
+            _pallas_mosaic,
+            tracks_vma=False,
         ),
-        Backend(
+        Registered(
             "pallas_triton",
             "the Pallas row kernels lowered through Triton, chunked (interpreted on CPU)",
             lambda: None,
-            "pallas_triton",
+            _pallas_triton,
+            tracks_vma=False,
         ),
-        Backend("xla", "the same chunked algorithm in plain jax.numpy", lambda: None, "xla_phases"),
-        Backend(
+        Registered("xla", "the same chunked algorithm in plain jax.numpy", lambda: None, _xla),
+        Registered(
             "triton",
             "torch_kl's Triton kernels through DLPack, under jax.jit and jax.grad",
             _torch_triton_missing,
-            None,
+            _triton,
             True,
         ),
     )
 }
-ALIASES: dict[str, str] = {}
 AUTO_ORDER = ("pallas", "xla")
-NAMES = ("auto", *REGISTRY, *ALIASES)
+NAMES = ("auto", *REGISTRY)
 
 
-def resolve(name: object) -> Backend:
-    """The backend a ``backend=`` argument names, checked to run here."""
+def resolve(name: object, *, check_vma: bool = False) -> Backend:
+    """The backend a ``backend=`` argument names, checked to run here and built (a
+    :class:`Backend` value is taken as it is). ``check_vma``: the call runs inside a
+    ``shard_map`` with ``check_vma=True``, where ``"auto"`` passes over the backends that do not
+    track varying axes and naming one is refused."""
+    if isinstance(name, Backend):
+        _check_vma(name.entry, check_vma)
+        return name
     if name not in NAMES:
         raise unknown_backend(name, NAMES)
     if name == "auto":
         for candidate in AUTO_ORDER:
-            backend = REGISTRY[candidate]
-            if (_on_gpu() or candidate == "xla") and backend.missing() is None:
-                return backend
-    backend = REGISTRY[ALIASES.get(name, name)]  # type: ignore[arg-type]
-    if (why := backend.missing()) is not None:
+            entry = REGISTRY[candidate]
+            usable = entry.tracks_vma or not check_vma
+            if (_on_gpu() or candidate == "xla") and usable and entry.missing() is None:
+                return entry.build(entry)
+    entry = REGISTRY[name]  # type: ignore[index]
+    if (why := entry.missing()) is not None:
         raise backend_unavailable(str(name), why)
-    return backend
+    _check_vma(entry, check_vma)
+    return entry.build(entry)
 
 
-def phases_of(name: str) -> ModuleType:
-    """The row-phase module of a chunked backend, imported when first asked for."""
-    return importlib.import_module(f"{__name__}.{REGISTRY[name].phases}")
-
-
-def xla_folds_the_add() -> bool:
-    """Whether ``XLA_FLAGS`` turns XLA's Triton GEMMs off, so that XLA itself folds ``acc + gᵀ x``
-    into a cuBLAS GEMM (beta = 1), a few per cent faster than ``mosaic_accumulate`` on the H200
-    (benchmarks/RESULTS-2026-12-01.md). Options given to ``jit(..., compiler_options=)`` are not visible here."""
-    flags = os.environ.get("XLA_FLAGS", "").lower()
-    return bool(re.search(r"--xla_gpu_enable_triton_gemm=(false|0)\b", flags))
-
-
-def in_place_grad_weight_of(name: str) -> ModuleType | None:
-    """The module whose ``accumulate(acc, g, x)`` adds ``gᵀ x`` into ``acc`` in place (where its
-    ``fits`` says so), or None where the add is left to XLA: the backend has no such kernel,
-    Mosaic GPU cannot run, or XLA folds the add itself (:func:`xla_folds_the_add`)."""
-    if not REGISTRY[name].in_place_grad_weight or mosaic_missing() is not None or xla_folds_the_add():
-        return None
-    try:
-        from . import mosaic_accumulate
-    except (ImportError, AttributeError):  # a JAX whose Mosaic GPU API moved: XLA's add
-        return None
-    return mosaic_accumulate
-
-
-def compute_of(name: str) -> Callable:
-    """The function that computes loss and gradients for a backend."""
-    if REGISTRY[name].phases is None:
-        from .triton_bridge import jax_through_triton
-
-        return jax_through_triton
-    from ..driver import forward
-
-    return forward
+def _check_vma(entry: Registered, check_vma: bool) -> None:
+    if check_vma and not entry.tracks_vma:
+        raise ValueError(
+            f"backend: {entry.name!r} cannot run inside a shard_map with check_vma=True (Pallas does not track the "
+            "varying axes of its outputs); pass check_vma=False to shard_map, use mesh= with global arrays, or "
+            "backend='xla'"
+        )

@@ -4,7 +4,7 @@ place: ``acc[V, H] <- acc + gᵀ x`` for the chunk's ``dL/dz`` ``g [rows, V]`` a
 
 Why: XLA folds ``acc + dot(g, x)`` into one GEMM (cuBLAS's beta = 1) only with its Triton GEMMs
 off; otherwise every chunk after the first costs a ``[V, H]`` product buffer and an add pass
-that reads it and the accumulator (benchmarks/RESULTS-2026-12-01.md). Here the accumulator goes in as a
+that reads it and the accumulator (docs/design-notes.md, GEMMs). Here the accumulator goes in as a
 mutable ref (the kernel's output aliases it), and each output tile's slice of it is loaded by
 the tensor memory accelerator (TMA) while the tile's main loop runs, so the add costs one read
 and the write a GEMM makes anyway.

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from fused_kl import terms
 from fused_kl.loss import Loss
+from fused_kl.rows import Coefs, MixtureSums
 
 Wide = Callable[[jax.Array, jax.Array], jax.Array]
 # The running maxima start here, not at -inf: a tile row that is all padding then keeps
@@ -35,13 +36,19 @@ def lse_step(m: jax.Array, s: jax.Array, a: jax.Array, wide: Wide) -> tuple[jax.
 
 
 def reverse_step(m, s, u, a: jax.Array, b: jax.Array, wide: Wide) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """:func:`lse_step` and reverse KL's ``u = sum exp(a - m) (a - m - b)`` (``fused_kl.rowmath.REVERSE``)."""
+    """:func:`lse_step` and reverse KL's ``u = sum exp(a - m) (a - m - b)`` (``fused_kl.rows.Stats.reverse``)."""
     m_new = jnp.maximum(m, jnp.max(a, axis=1))
     c = jnp.exp(m - m_new)
     d = a - wide(m_new, a)
     e = jnp.exp(d)
     du = jnp.sum(jnp.where(e > 0, e * (d - b), 0.0), axis=1)
     return m_new, s * c + jnp.sum(e, axis=1), c * (u + (m - m_new) * s) + du
+
+
+def lse_of(m: jax.Array, s: jax.Array) -> jax.Array:
+    """The log-sum-exp from the running ``(max, sum)`` of tile rows (axis 0)."""
+    m_all = jnp.max(m, axis=0)
+    return m_all + jnp.log(jnp.sum(s * jnp.exp(m - m_all), axis=0))
 
 
 def reverse_part(m: jax.Array, s: jax.Array, u: jax.Array) -> jax.Array:
@@ -111,9 +118,10 @@ def stats_tile(
 
 def stats_columns(
     parts: list, carries: StatsCarries, lse: Callable[[Any, Any], Any], total: Callable[[Any], Any], zero: Any
-) -> list:
-    """``lse, lse_h, lse_t, mass, sum f, rho`` of ``STATS`` from the carries' final values (in
-    :class:`StatsCarries`' order); ``lse(m, s)`` and ``total(a)`` reduce them over axis 0."""
+) -> dict[str, Any]:
+    """Every column of ``fused_kl.rows.Stats`` but ``label_logit``, by name, from the carries'
+    final values (in :class:`StatsCarries`' order); ``lse(m, s)`` and ``total(a)`` reduce them
+    over axis 0."""
     parts = iter(parts)
     m, s = next(parts), next(parts)
     rho = reverse_part(m, s, next(parts)) if carries.reverse else zero
@@ -122,41 +130,42 @@ def stats_columns(
     f_sum = total(next(parts)) if carries.hard else zero
     lse_t = lse(next(parts), next(parts)) if carries.logits else zero
     mass = total(next(parts)) if carries.mass else zero
-    return [lse_s, lse_h, lse_t, mass, f_sum, rho]
+    return dict(lse=lse_s, lse_hard=lse_h, lse_teacher=lse_t, mass=mass, logit_sum=f_sum, reverse=rho)
 
 
-def value_tile(
+def mixture_tile(
     z: jax.Array, t: jax.Array, lse: Any, lse_t: Any, mask: jax.Array, loss: Loss, xp: Any
-) -> tuple[jax.Array, jax.Array]:
-    """JSD's ``(A, B)`` sums of one tile (``fused_kl.terms.jsd_terms``); ``lse``, ``lse_t`` broadcast."""
+) -> MixtureSums:
+    """JSD's ``MixtureSums`` of one tile's rows (``fused_kl.terms.jsd_terms``); ``lse``, ``lse_t``
+    broadcast."""
     log_q = terms.transform(z, loss.logit_scale, loss.softcap, xp) / loss.temperature - lse
     p, log_p = terms.teacher_probs(t, loss.teacher, lse_t, xp)  # type: ignore[arg-type]
     a, b = terms.jsd_terms(jnp.exp(log_q), log_q, p, log_p, loss.beta, xp)
-    return jnp.sum(jnp.where(mask, a, 0.0), axis=1), jnp.sum(jnp.where(mask, b, 0.0), axis=1)
+    return MixtureSums(jnp.sum(jnp.where(mask, a, 0.0), axis=1), jnp.sum(jnp.where(mask, b, 0.0), axis=1))
 
 
 def finish_tile(
-    z: jax.Array, teacher_tile: Callable[[], jax.Array] | None, coefs: list, y: Any, cols: jax.Array,
+    z: jax.Array, teacher_tile: Callable[[], jax.Array] | None, coefs: Coefs, y: Any, cols: jax.Array,
     mask: jax.Array, loss: Loss, v_total: int, write_grad: bool, row: Callable[[Any], Any], xp: Any,
 ) -> tuple[jax.Array | None, jax.Array | None]:  # fmt: skip
     """One tile's forward-KL sums (None for another divergence) and ``dL/dz`` (float32, 0 where
-    masked; None without ``write_grad``): ``coefs`` the rows' ``COEFS``, ``y`` their labels
-    (hard term) or None."""
-    lse, lse_h, lse_t, k, c_soft, c_hard = coefs
+    masked; None without ``write_grad``): ``coefs`` the rows' values, ``y`` their labels (hard
+    term) or None."""
     f = terms.transform(z, loss.logit_scale, loss.softcap, xp)
-    log_q = f / loss.temperature - row(lse)
+    log_q = f / loss.temperature - row(coefs.lse)
     q = jnp.exp(log_q)
     p, log_p = q, log_q
     if teacher_tile is not None:
-        p, log_p = terms.teacher_probs(teacher_tile(), loss.teacher, row(lse_t), xp)  # type: ignore[arg-type]
+        p, log_p = terms.teacher_probs(teacher_tile(), loss.teacher, row(coefs.lse_teacher), xp)  # type: ignore[arg-type]
     acc = None
     if loss.kind == "forward":
         acc = jnp.sum(jnp.where(mask, terms.forward_term(p, log_p, log_q, xp), 0.0), axis=1)
     if not write_grad:
         return acc, None
     # ignored rows: exactly 0. A float row broadcast, then compared: both lowerings take this form
-    live = row(jnp.abs(c_soft) + jnp.abs(c_hard)) != 0.0
-    g = row(c_soft) * terms.soft_direction(loss.kind, q, log_q, p, log_p, row(k), loss.beta, xp)
+    live = row(jnp.abs(coefs.soft_scale) + jnp.abs(coefs.hard_scale)) != 0.0
+    soft = terms.soft_direction(loss.kind, q, log_q, p, log_p, row(coefs.soft_const), loss.beta, xp)
+    g = row(coefs.soft_scale) * soft
     if y is not None:
-        g += row(c_hard) * terms.hard_direction(f, row(lse_h), cols == row(y), loss, v_total, xp)
+        g += row(coefs.hard_scale) * terms.hard_direction(f, row(coefs.lse_hard), cols == row(y), loss, v_total, xp)
     return acc, jnp.where(live & mask, g * terms.slope(z, loss.logit_scale, loss.softcap, xp), 0.0)

@@ -15,7 +15,7 @@ one gather done by XLA.
 
 The TMA needs the vocabulary to be a multiple of the 128-byte tile (64 bf16 columns) and a
 teacher chunk to start on a 64-row boundary: :func:`fits` says whether a chunk qualifies;
-``pallas_phases`` falls back to the Triton lowering otherwise.
+backend ``"pallas"`` runs the Triton lowering otherwise (``Backend.chunk_phases``).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from fused_kl import rowmath, terms
 from fused_kl.checks import backend_unavailable
 from fused_kl.loss import Loss
+from fused_kl.rows import COEFS, STATS, Coefs, MixtureSums, Stats
 
 from ..ops import OPS
 from ..teachers import DenseChunk
@@ -46,7 +47,7 @@ TV = {False: 128, True: 64}
 H100_SMS = 132  # multiprocessors of an H100/H200
 # At least eight programs per multiprocessor of an H100/H200, two tiles in flight per program:
 # the fastest of 64/128/256 columns, 2-4 stages and 2, 8 or 16 programs per multiprocessor on
-# the H200 (benchmarks/RESULTS-2026-12-01.md).
+# the H200 (docs/design-notes.md, Mosaic GPU).
 MIN_PROGRAMS = 8 * H100_SMS
 STAGES = 2
 # The hardware's approximate exp2 and lg2 (``approx_math``): a handful of instructions where the
@@ -212,10 +213,10 @@ def _stats_step(cols, tiles, rowvecs, carry, g_ref, *, v: int, loss: Loss, carri
     return online.stats_tile(carry, _load(tiles[0]), teacher_tile, cols < v, loss, carries, _wide, XP)
 
 
-def _value_step(cols, tiles, rowvecs, carry, g_ref, *, v: int, loss: Loss):
+def _mixture_sums_step(cols, tiles, rowvecs, carry, g_ref, *, v: int, loss: Loss):
     del g_ref
     lse, lse_t = (_wide(r, cols) for r in rowvecs)
-    a, b = online.value_tile(_load(tiles[0]), _load(tiles[1]), lse, lse_t, cols < v, loss, XP)
+    a, b = online.mixture_tile(_load(tiles[0]), _load(tiles[1]), lse, lse_t, cols < v, loss, XP)
     return [carry[0] + a, carry[1] + b]
 
 
@@ -225,7 +226,7 @@ def _finish_step(cols, tiles, rowvecs, carry, g_ref, *, v: int, v_total: int, lo
     teacher_tile = (lambda: _load(tiles[1])) if has_teacher else None
     row = lambda r: _wide(r, cols)
     acc, g = online.finish_tile(
-        _load(tiles[0]), teacher_tile, rowvecs, y, cols, cols < v, loss, v_total, g_ref is not None, row, XP
+        _load(tiles[0]), teacher_tile, Coefs(*rowvecs), y, cols, cols < v, loss, v_total, g_ref is not None, row, XP
     )
     if g is not None:
         g_ref[...] = g.astype(g_ref.dtype)
@@ -242,7 +243,7 @@ def _lse(m: jax.Array, s: jax.Array) -> jax.Array:
 
 
 def stats(z: jax.Array, t: DenseChunk | None, y: jax.Array | None, loss: Loss, tile: tuple[int, int]) -> jax.Array:
-    """``fused_kl.rowmath.STATS`` of each row of the chunk (local to this vocabulary slice)."""
+    """``fused_kl.rows.Stats`` of each row of the chunk (local to this vocabulary slice)."""
     del tile
     _require_fit(z, t)
     rows, v = z.shape
@@ -250,21 +251,21 @@ def stats(z: jax.Array, t: DenseChunk | None, y: jax.Array | None, loss: Loss, t
     step = functools.partial(_stats_step, v=v, loss=loss, carries=carries)
     parts = _launch(step, _tiled(z, t), [], carries.inits())
     zero = jnp.zeros((rows,), jnp.float32)
-    lse, lse_h, lse_t, mass, f_sum, rho = online.stats_columns(parts, carries, _lse, lambda a: jnp.sum(a, axis=0), zero)
+    columns = online.stats_columns(parts, carries, _lse, lambda a: jnp.sum(a, axis=0), zero)
     label_logit = zero
     if y is not None:
         label_logit = rowmath.label_logit(z, y, loss, OPS.gather, jnp)
-    return jnp.stack([lse, lse_h, lse_t, mass, f_sum, label_logit, rho], axis=1)
+    return jnp.stack(Stats(**columns, label_logit=label_logit), axis=1)
 
 
-def value(z: jax.Array, t: DenseChunk, stats: jax.Array, loss: Loss, tile: tuple[int, int]) -> jax.Array:
-    """Phase 2 (JSD): each row's sums ``(A, B)``."""
+def mixture_sums(z: jax.Array, t: DenseChunk, stats: jax.Array, loss: Loss, tile: tuple[int, int]) -> jax.Array:
+    """Phase 2 (JSD): each row's ``fused_kl.rows.MixtureSums``."""
     del tile
     _require_fit(z, t)
     v = z.shape[1]
-    step = functools.partial(_value_step, v=v, loss=loss)
-    a, b = _launch(step, _tiled(z, t), [stats[:, 0], stats[:, 2]], [0.0, 0.0])
-    return jnp.stack([jnp.sum(a, axis=0), jnp.sum(b, axis=0)], axis=1)
+    step = functools.partial(_mixture_sums_step, v=v, loss=loss)
+    a, b = _launch(step, _tiled(z, t), [stats[:, STATS.lse], stats[:, STATS.lse_teacher]], [0.0, 0.0])
+    return jnp.stack(MixtureSums(teacher=jnp.sum(a, axis=0), student=jnp.sum(b, axis=0)), axis=1)
 
 
 def finish(
@@ -281,7 +282,7 @@ def finish(
     del tile
     _require_fit(z, t)
     v = z.shape[1]
-    rowvecs = ([] if y is None else [y.astype(jnp.int32)]) + [coefs[:, i] for i in range(len(rowmath.COEFS))]
+    rowvecs = ([] if y is None else [y.astype(jnp.int32)]) + [coefs[:, at] for at in COEFS]
     step = functools.partial(_finish_step, v=v, v_total=v_total, loss=loss, has_teacher=t is not None,
                              hard=y is not None)  # fmt: skip
     outs = _launch(step, _tiled(z, t), rowvecs, [0.0], write_grad)

@@ -18,8 +18,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from fused_kl import rowmath, terms
+from fused_kl import terms
 from fused_kl.loss import Loss
+from fused_kl.rows import COEFS, MIXTURE_SUMS, STATS, Coefs, Stats
 
 from ..teachers import DenseChunk
 from . import online
@@ -29,11 +30,6 @@ def _wide(row: jax.Array, like: jax.Array) -> jax.Array:
     """A per-tile-row value against the tile's columns (``online``'s ``wide``): broadcast by shape."""
     del like
     return row[:, None]
-
-
-def _lse(m, s):
-    m_all = jnp.max(m)
-    return m_all + jnp.log(jnp.sum(s * jnp.exp(m - m_all)))
 
 
 def _walk(v: int, tile: tuple[int, int], body, init):
@@ -64,28 +60,28 @@ def _stats_kernel(*refs, v: int, loss: Loss, carries: online.StatsCarries, has_t
 
     init = [jnp.full((tile[0],), x0, jnp.float32) for x0 in carries.inits()]
     parts = _walk(v, tile, body, init)
-    lse, lse_h, lse_t, mass, f_sum, rho = online.stats_columns(parts, carries, _lse, jnp.sum, jnp.float32(0.0))
+    columns = online.stats_columns(parts, carries, online.lse_of, jnp.sum, jnp.float32(0.0))
     label_logit = jnp.float32(0.0)
     if y_ref is not None:
         y = y_ref[0]
         inside = (y >= 0) & (y < v)
         z_y = plgpu.load(z_ref.at[jnp.where(inside, y, 0)]).astype(jnp.float32)
         label_logit = jnp.where(inside, terms.transform(z_y, loss.logit_scale, loss.softcap, jnp), 0.0)
-    for i, value in enumerate((lse, lse_h, lse_t, mass, f_sum, label_logit, rho)):
-        out_ref[i] = value
+    for at, value in zip(STATS, Stats(**columns, label_logit=label_logit), strict=True):
+        out_ref[at] = value
 
 
-def _value_kernel(z_ref, t_ref, stats_ref, out_ref, *, v: int, loss: Loss, tile: tuple[int, int]):
-    lse, lse_t = stats_ref[0], stats_ref[2]
+def _mixture_sums_kernel(z_ref, t_ref, stats_ref, out_ref, *, v: int, loss: Loss, tile: tuple[int, int]):
+    lse, lse_t = stats_ref[STATS.lse], stats_ref[STATS.lse_teacher]
 
     def body(cols, mask, carry):
-        a, b = online.value_tile(_load(z_ref, cols, mask), _load(t_ref, cols, mask), lse, lse_t, mask, loss, jnp)
+        a, b = online.mixture_tile(_load(z_ref, cols, mask), _load(t_ref, cols, mask), lse, lse_t, mask, loss, jnp)
         return carry[0] + a, carry[1] + b
 
     zero = jnp.zeros((tile[0],), jnp.float32)
     acc_a, acc_b = _walk(v, tile, body, (zero, zero))
-    out_ref[0] = jnp.sum(acc_a)
-    out_ref[1] = jnp.sum(acc_b)
+    out_ref[MIXTURE_SUMS.teacher] = jnp.sum(acc_a)
+    out_ref[MIXTURE_SUMS.student] = jnp.sum(acc_b)
 
 
 def _finish_kernel(
@@ -97,7 +93,7 @@ def _finish_kernel(
     coef_ref, *refs = refs
     g_ref = refs.pop(0) if write_grad else None  # aliases z
     (out_ref,) = refs
-    coefs = [coef_ref[i] for i in range(len(rowmath.COEFS))]
+    coefs = Coefs(*(coef_ref[at] for at in COEFS))
     y = y_ref[0] if hard else None
 
     def body(cols, mask, acc):
@@ -145,22 +141,23 @@ def _inputs(z: jax.Array, t, y: jax.Array | None) -> tuple[list, list]:
 
 
 def stats(z: jax.Array, t: DenseChunk | None, y: jax.Array | None, loss: Loss, tile: tuple[int, int]) -> jax.Array:
-    """``fused_kl.rowmath.STATS`` of each row of the chunk (local to this vocabulary slice)."""
+    """``fused_kl.rows.Stats`` of each row of the chunk (local to this vocabulary slice)."""
     rows, v = z.shape
     args, specs = _inputs(z, t, y)
     carries = online.StatsCarries.of(loss, t is not None, y is not None)
     kernel = functools.partial(_stats_kernel, v=v, loss=loss, carries=carries, has_teacher=t is not None, tile=tile)
-    width = len(rowmath.STATS)
+    width = len(STATS)
     return _call(kernel, rows, args, specs, jax.ShapeDtypeStruct((rows, width), jnp.float32), _row(width), tile)
 
 
-def value(z: jax.Array, t: DenseChunk, stats: jax.Array, loss: Loss, tile: tuple[int, int]) -> jax.Array:
-    """Phase 2 (JSD): each row's sums ``(A, B)``."""
+def mixture_sums(z: jax.Array, t: DenseChunk, stats: jax.Array, loss: Loss, tile: tuple[int, int]) -> jax.Array:
+    """Phase 2 (JSD): each row's ``fused_kl.rows.MixtureSums``."""
     rows, v = z.shape
     args, specs = _inputs(z, t, None)
-    kernel = functools.partial(_value_kernel, v=v, loss=loss, tile=tile)
-    two = jax.ShapeDtypeStruct((rows, 2), jnp.float32)
-    return _call(kernel, rows, [*args, stats], [*specs, _row(len(rowmath.STATS))], two, _row(2), tile)
+    kernel = functools.partial(_mixture_sums_kernel, v=v, loss=loss, tile=tile)
+    width = len(MIXTURE_SUMS)
+    out_shape = jax.ShapeDtypeStruct((rows, width), jnp.float32)
+    return _call(kernel, rows, [*args, stats], [*specs, _row(len(STATS))], out_shape, _row(width), tile)
 
 
 def finish(
@@ -192,7 +189,7 @@ def finish(
         out_shape.insert(0, jax.ShapeDtypeStruct(z.shape, z.dtype))
         out_specs.insert(0, _row(v))
     outs = _call(
-        kernel, rows, [*args, coefs], [*specs, _row(len(rowmath.COEFS))], out_shape, out_specs, tile,
+        kernel, rows, [*args, coefs], [*specs, _row(len(COEFS))], out_shape, out_specs, tile,
         {0: 0} if write_grad else None,
     )
     return (outs[0], outs[1]) if write_grad else (None, outs[0])

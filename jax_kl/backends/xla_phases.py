@@ -17,15 +17,15 @@ from ..teachers import DenseChunk
 
 
 def stats(z: jax.Array, t: DenseChunk | None, y: jax.Array | None, loss: Loss, tile: tuple[int, int]) -> jax.Array:
-    """``fused_kl.rowmath.STATS`` of each row of the chunk (local to this vocabulary slice)."""
+    """``fused_kl.rows.Stats`` of each row of the chunk (local to this vocabulary slice)."""
     del tile  # whole rows at once
     return wholerow.stats(z, t, y, loss, ROW_OPS)
 
 
-def value(z: jax.Array, t: DenseChunk, stats: jax.Array, loss: Loss, tile: tuple[int, int]) -> jax.Array:
-    """Phase 2 (JSD): each row's sums of ``fused_kl.terms.jsd_terms``."""
+def mixture_sums(z: jax.Array, t: DenseChunk, stats: jax.Array, loss: Loss, tile: tuple[int, int]) -> jax.Array:
+    """Phase 2 (JSD): each row's ``fused_kl.rows.MixtureSums``, of ``fused_kl.terms.jsd_terms``."""
     del tile
-    return wholerow.value(z, t, stats, loss, ROW_OPS)
+    return wholerow.mixture_sums(z, t, stats, loss, ROW_OPS)
 
 
 def finish(

@@ -60,7 +60,8 @@ def kl_dtensors(rank: int, world: int) -> None:
 
 @_case
 def kl_replicated_rows_local_output(rank: int, world: int) -> None:
-    """Rows given as a Replicate DTensor are sharded by the style; use_local_output gives the share."""
+    """Rows given as a Replicate DTensor are sharded by the style; use_local_output gives the
+    share; a plain head's gradient is summed over the ranks."""
     mesh = init_device_mesh(DEVICE.type, (world,))
     p = problem(n=12, lead=None, ignored=(1, 7, 8))
     want_loss, want = run(p, {})
@@ -68,19 +69,40 @@ def kl_replicated_rows_local_output(rank: int, world: int) -> None:
         torch_kl.FusedLinearKLDivLoss(), mesh, LinearLossParallel(sequence_dim=0, use_local_output=True)
     )
     x = _leaf(p["x"], mesh, Replicate())
-    w = p["weight"].clone().requires_grad_()  # a plain head: each rank gets its share
+    w = p["weight"].clone().requires_grad_()
     share = module(
         x, w, distribute_tensor(p["target"], mesh, [Replicate()]), p["labels"][:6] if rank == 0 else p["labels"][6:]
     )
     share.backward()
     total = share.detach().clone()
     torch.distributed.all_reduce(total)
-    gw = w.grad.clone()
-    torch.distributed.all_reduce(gw)
     assert not isinstance(share, DTensor)
     check("sum of shares", float(total), want_loss, TOL)
-    check("summed grad_weight", gw, want["weight"], TOL)
+    check("grad_weight", w.grad, want["weight"], TOL)
     check("grad_x", x.grad.full_tensor(), want["x"], TOL)
+
+
+@_case
+def kl_plain_head(rank: int, world: int) -> None:
+    """The recipe's call: DTensor rows, the plain weight and bias of an ``nn.Linear`` head; every
+    rank's ``.grad`` is the global gradient (summed over the ranks, as a Partial one would be),
+    the module's input unchanged."""
+    mesh = init_device_mesh(DEVICE.type, (world,))
+    p = problem(n=8, lead=2, bias=True, ignored=(2, 5))
+    want_loss, want = run(p, {"temperature": 2.0})
+    module = parallelize_module(torch_kl.FusedLinearKLDivLoss(temperature=2.0), mesh, LinearLossParallel())
+    head = torch.nn.Linear(p["weight"].shape[1], p["weight"].shape[0], device=DEVICE)
+    with torch.no_grad():
+        head.weight.copy_(p["weight"]), head.bias.copy_(p["bias"])
+    x = _leaf(p["x"], mesh, Shard(1))
+    t, lab = (distribute_tensor(p[k], mesh, [Shard(1)]) for k in ("target", "labels"))
+    loss = module(x, head.weight, t, lab, bias=head.bias)
+    check("loss", float(loss.full_tensor()), want_loss, TOL)
+    loss.backward()
+    check("grad_weight", head.weight.grad, want["weight"], TOL)
+    check("grad_bias", head.bias.grad, want["bias"], TOL)
+    check("grad_x", x.grad.full_tensor(), want["x"], TOL)
+    check("weight", head.weight.detach(), p["weight"], 0.0)
 
 
 @_case

@@ -1,7 +1,10 @@
 """The backends of ``torch_kl``, named for the kernel they run: the one registry.
 
-``"auto"`` picks the first backend of ``AUTO_ORDER`` that can run on the inputs' device.
-``"jax"`` (the name of ``"pallas"`` before it was named for its kernel) is kept as an alias.
+:func:`resolve` turns a ``backend=`` name into a :class:`Backend` value once, at validation;
+everything after it (the autograd layer, the chunk driver) runs what that value carries and looks
+no name up. ``"auto"`` picks the first backend of ``AUTO_ORDER`` that can run on the inputs'
+device. ``"jax"`` is the contract's other name of ``"pallas"``. The bridge (``"pallas"``) lives in
+``fused_kl_bridges``, imported only when it is resolved: ``torch_kl`` never imports ``jax_kl``.
 """
 
 from __future__ import annotations
@@ -14,6 +17,10 @@ from types import ModuleType
 import torch
 
 from fused_kl.checks import backend_unavailable, unknown_backend
+
+# ``compute(x, weight, bias, teacher, labels, loss, run, layout, needs, backend, ready=None)``:
+# ``(loss, grad_x, grad_weight, grad_bias)``, the gradients None where ``needs`` says so.
+Compute = Callable[..., tuple]
 
 
 def _triton_missing(device: torch.device) -> str | None:
@@ -36,35 +43,109 @@ def _jax_missing(device: torch.device) -> str | None:
 
 
 @dataclass(frozen=True)
-class Backend:
-    """``phases``: module of the row phases the chunk driver runs, or None for a backend that
-    brings its own driver (the bridge); ``missing(device)`` says why it cannot run, or None;
-    ``fused_logits``: whether it has a logits GEMM that makes the ``stats`` phase on the way;
-    ``factored``: whether that GEMM also writes ``dL/dz`` factored where it can (the
-    cross-entropy, top-k teachers: ``triton_factored``)."""
+class Registered:
+    """A backend by name, before anything of it is imported: what it runs, in words; why it
+    cannot run on a device (None if it can); ``build(entry, device)`` imports its kernels and
+    makes its :class:`Backend`."""
 
     name: str
     runs: str
     missing: Callable[[torch.device], str | None]
-    phases: str | None
+    build: Callable[[Registered, torch.device], Backend]
     single_device: bool = False
-    fused_logits: bool = False
-    factored: bool = False
+
+
+@dataclass(frozen=True)
+class Backend:
+    """A backend resolved: what it runs. A variant is ``dataclasses.replace(backend, ...)``
+    (``fused_logits=None`` prices that fusion), passed as ``backend=``.
+
+    ``compute``: the entry that runs it (``torch_kl.driver.forward``, or a bridge);
+    ``phases``: the row phases' module the chunk driver runs (None for a bridge);
+    ``fused_logits(x, weight, bias, loss, z)``: the logits GEMM with the ``stats`` phase in its
+    epilogue (``triton_logits``), None for cuBLAS and the ``stats`` kernel;
+    ``plain_logits(x, weight, bias, z)``: the same GEMM with nothing in its epilogue, for a
+    teacher head's logits (None: cuBLAS);
+    ``factored``: the module for chunks whose ``dL/dz`` is a row scale of the exponentials its
+    logits GEMM writes plus a few entries a row (``triton_factored``), or None;
+    ``factored_topk``: a top-k teacher's part of such a chunk in one kernel (``triton_topk``),
+    for a vocabulary on one device, or None;
+    ``scale_grad(grad, g)``: backward's in-place ``grad *= g`` on the device (``rescale``), or
+    None for torch's multiply."""
+
+    entry: Registered
+    compute: Compute
+    phases: ModuleType | None = None
+    fused_logits: Callable | None = None
+    plain_logits: Callable | None = None
+    factored: ModuleType | None = None
+    factored_topk: Callable | None = None
+    scale_grad: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+
+    @property
+    def name(self) -> str:
+        return self.entry.name
+
+    @property
+    def runs(self) -> str:
+        return self.entry.runs
+
+    @property
+    def single_device(self) -> bool:
+        return self.entry.single_device
+
+
+# Plain import statements, not importlib: torch.compile traces through them.
+
+
+def _rescale(device: torch.device) -> Callable | None:
+    """The Triton ``grad *= g`` where Triton runs on CUDA tensors (it skips a unit ``g`` without
+    a host sync), else None."""
+    if device.type != "cuda" or _triton_missing(device) is not None:
+        return None
+    from .rescale import scale_
+
+    return scale_
+
+
+def _triton(entry: Registered, device: torch.device) -> Backend:
+    from ..driver import forward
+    from . import triton_factored, triton_logits, triton_phases, triton_topk
+    from .rescale import scale_
+
+    return Backend(
+        entry,
+        forward,
+        triton_phases,
+        fused_logits=triton_logits.logits_with_stats,
+        plain_logits=triton_logits.plain_logits,
+        factored=triton_factored,
+        factored_topk=triton_topk.topk_part,
+        scale_grad=scale_,
+    )
+
+
+def _torch(entry: Registered, device: torch.device) -> Backend:
+    from ..driver import forward
+    from . import torch_phases
+
+    return Backend(entry, forward, torch_phases, scale_grad=_rescale(device))
+
+
+def _pallas(entry: Registered, device: torch.device) -> Backend:
+    from fused_kl_bridges.pallas_for_torch import torch_through_pallas
+
+    return Backend(entry, torch_through_pallas, scale_grad=_rescale(device))
 
 
 REGISTRY = {
     b.name: b
     for b in (
-        Backend(
-            "triton",
-            "the Triton row kernels, chunked",
-            _triton_missing,
-            "triton_phases",
-            fused_logits=True,
-            factored=True,
+        Registered("triton", "the Triton row kernels, chunked", _triton_missing, _triton),
+        Registered("torch", "the same chunked algorithm in plain PyTorch", lambda d: None, _torch),
+        Registered(
+            "pallas", "jax_kl's Pallas kernels through DLPack, under torch autograd", _jax_missing, _pallas, True
         ),
-        Backend("torch", "the same chunked algorithm in plain PyTorch", lambda d: None, "torch_phases"),
-        Backend("pallas", "jax_kl's Pallas kernels through DLPack, under torch autograd", _jax_missing, None, True),
     )
 }
 ALIASES = {"jax": "pallas"}
@@ -73,75 +154,18 @@ NAMES = ("auto", *REGISTRY, *ALIASES)
 
 
 def resolve(name: object, device: torch.device) -> Backend:
-    """The backend a ``backend=`` argument names on ``device``, checked to run there."""
+    """The backend a ``backend=`` argument names on ``device``, checked to run there and built
+    (a :class:`Backend` value is taken as it is)."""
+    if isinstance(name, Backend):
+        return name
     if name not in NAMES:
         raise unknown_backend(name, NAMES)
     if name == "auto":
         for candidate in AUTO_ORDER:
-            backend = REGISTRY[candidate]
-            if (device.type == "cuda" or candidate == "torch") and backend.missing(device) is None:
-                return backend
-    backend = REGISTRY[ALIASES.get(name, name)]  # type: ignore[arg-type]
-    if (why := backend.missing(device)) is not None:
+            entry = REGISTRY[candidate]
+            if (device.type == "cuda" or candidate == "torch") and entry.missing(device) is None:
+                return entry.build(entry, device)
+    entry = REGISTRY[ALIASES.get(name, name)]  # type: ignore[arg-type]
+    if (why := entry.missing(device)) is not None:
         raise backend_unavailable(str(name), why)
-    return backend
-
-
-def _triton_phases() -> ModuleType:
-    from . import triton_phases
-
-    return triton_phases
-
-
-def _torch_phases() -> ModuleType:
-    from . import torch_phases
-
-    return torch_phases
-
-
-# Plain import statements, not importlib: torch.compile traces through them.
-_PHASES = {"triton_phases": _triton_phases, "torch_phases": _torch_phases}
-
-
-def phases_of(name: str) -> ModuleType:
-    """The row-phase module of a chunked backend, imported when first asked for."""
-    return _PHASES[REGISTRY[name].phases]()  # type: ignore[index]
-
-
-def fused_logits_of(name: str) -> Callable | None:
-    """The backend's logits GEMM with the ``stats`` phase in its epilogue, if it has one."""
-    if not REGISTRY[name].fused_logits:
-        return None
-    from .triton_logits import logits_with_stats
-
-    return logits_with_stats
-
-
-def plain_logits_of(name: str) -> Callable | None:
-    """The backend's logits GEMM with nothing in its epilogue (a teacher head's), if it has one."""
-    if not REGISTRY[name].fused_logits:
-        return None
-    from .triton_logits import plain_logits
-
-    return plain_logits
-
-
-def factored_of(name: str) -> ModuleType | None:
-    """The backend's module for chunks whose ``dL/dz`` is a row scale of the exponentials its
-    logits GEMM writes plus a few entries a row (``triton_factored``), if it has one."""
-    if not (REGISTRY[name].fused_logits and REGISTRY[name].factored):
-        return None
-    from . import triton_factored
-
-    return triton_factored
-
-
-def compute_of(name: str) -> Callable:
-    """The function that computes loss and gradients for a backend."""
-    if REGISTRY[name].phases is None:
-        from .pallas_bridge import torch_through_pallas
-
-        return torch_through_pallas
-    from ..driver import forward
-
-    return forward
+    return entry.build(entry, device)

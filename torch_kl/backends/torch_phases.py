@@ -18,15 +18,17 @@ from ..ops import ROW_OPS
 def stats(
     z: torch.Tensor, t: torch.Tensor | None, y: torch.Tensor | None, loss: Loss, tile: tuple[int, int]
 ) -> torch.Tensor:
-    """``fused_kl.rowmath.STATS`` of each row of the chunk (local to this vocabulary slice)."""
+    """``fused_kl.rows.Stats`` of each row of the chunk (local to this vocabulary slice)."""
     del tile  # whole rows at once
     return wholerow.stats(z, t, y, loss, ROW_OPS)
 
 
-def value(z: torch.Tensor, t: torch.Tensor, stats: torch.Tensor, loss: Loss, tile: tuple[int, int]) -> torch.Tensor:
-    """Phase 2 (JSD): each row's sums of ``fused_kl.terms.jsd_terms``."""
+def mixture_sums(
+    z: torch.Tensor, t: torch.Tensor, stats: torch.Tensor, loss: Loss, tile: tuple[int, int]
+) -> torch.Tensor:
+    """Phase 2 (JSD): each row's ``fused_kl.rows.MixtureSums``, of ``fused_kl.terms.jsd_terms``."""
     del tile
-    return wholerow.value(z, t, stats, loss, ROW_OPS)
+    return wholerow.mixture_sums(z, t, stats, loss, ROW_OPS)
 
 
 def finish(

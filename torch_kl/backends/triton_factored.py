@@ -1,24 +1,25 @@
 """``dL/dz`` factored as ``diag(alpha) E`` plus a few entries a row: no pass over the chunk writes it.
 
 With ``a = f(z) / T`` (the student transform; ``T = 1`` without a soft term), ``q = softmax(a)``,
-``(c_soft, c_hard)`` the row's scales (``fused_kl.rowmath.row_scales``; 0 on ignored rows) and
+``(c_soft, c_hard)`` the row's scales (``fused_kl.rowmath.grad_scales``; 0 on ignored rows) and
 ``f'(z_j) = logit_scale u_j`` (``u_j = 1 - (f_j / softcap)^2`` when capped, else 1), the fused
 cross-entropy's gradient ``c_hard f'(z_j) (q_j - [j = y])`` and a top-k teacher's
 (``fused_kl.rowmath.topk``: ``c_soft f'(z_j) K q_j`` off the teacher's tokens, plus the hard
-term's at ``T = 1``) are, with ``beta = c_hard + c_soft K`` and a shift ``s_r`` per row::
+term's at ``T = 1``) are, with the row's factor of ``q`` ``w_r = c_hard + c_soft K`` and a shift
+``s_r`` per row::
 
-    dL/dz_j = alpha_r E_j,   alpha_r = beta_r logit_scale exp(s_r - lse_r),   E_j = exp(a_j - s_r) u_j
+    dL/dz_j = alpha_r E_j,   alpha_r = w_r logit_scale exp(s_r - lse_r),   E_j = exp(a_j - s_r) u_j
 
 except at the label and the teacher's tokens, whose ``E_j`` are rewritten after the GEMM as
 ``dL/dz_j / alpha_r``. So ``grad_x = diag(alpha) (E W)`` (the product in float32, scaled once)
-and ``grad_W += E^T (diag(alpha) x)``: the GEMMs read ``E`` where they read ``dL/dz``, and the
-``finish`` pass (read the logits, write ``dL/dz``) is gone, as the ``stats`` pass went into the
-logits GEMM's epilogue. That epilogue cannot know ``lse_r`` yet, so it writes ``E`` with the
+and ``grad_W += E^T (diag(alpha) x)``: the GEMMs read ``E`` where they would read ``dL/dz``, so
+no ``finish`` pass (read the logits, write ``dL/dz``) runs, and the ``stats`` pass is the logits
+GEMM's epilogue. That epilogue cannot know ``lse_r`` yet, so it writes ``E`` with the
 fixed shift ``SHIFT`` in bfloat16, whose range is float32's. The shift is kept only while the
 row's maximum ``a`` lies in ``[LO, HI]``: then ``E <= e^(HI - SHIFT)`` sums in float32 without
 overflow; the entries it flushes to zero lie more than ``SHIFT - LO + 87`` below the row's
-maximum (``q < e^-100``); and ``alpha >= beta logit_scale e^(SHIFT - HI - log V)`` keeps
-``diag(alpha) x`` a normal bfloat16 number for ``beta logit_scale`` down to about ``1e-8``.
+maximum (``q < e^-100``); and ``alpha >= w logit_scale e^(SHIFT - HI - log V)`` keeps
+``diag(alpha) x`` a normal bfloat16 number for ``w logit_scale`` down to about ``1e-8``.
 A column tile whose maximum leaves the window takes that maximum as its shift instead;
 :func:`settle` rescales the rows holding such tiles to ``s_r`` = the row's maximum (one program
 a row; the others do nothing). No host synchronisation. The top-k teacher's math needs the
@@ -42,12 +43,11 @@ import triton
 import triton.language as tl
 
 from fused_kl.loss import Loss
+from fused_kl.rows import STATS, Stats
 
-from .triton_terms import LOG2E, LOWEST, transform
-
-SHIFT: tl.constexpr = tl.constexpr(16.0)
-LO: tl.constexpr = tl.constexpr(-40.0)
-HI: tl.constexpr = tl.constexpr(56.0)
+from . import triton_logits
+from .triton_exp import EXP_PARTS, EXP_PARTS_AT, HI, LO, SHIFT
+from .triton_terms import LOWEST, lse_step, transform
 
 
 def takes(x: torch.Tensor, bias: torch.Tensor | None, loss: Loss) -> bool:
@@ -60,29 +60,14 @@ def takes(x: torch.Tensor, bias: torch.Tensor | None, loss: Loss) -> bool:
 
 
 @triton.jit
-def exp_tile(a, f, cap, CAPPED: tl.constexpr):
-    """``(E, each row's log-sum-exp, each row's max)`` of a tile of exponents ``a = f(z) / T``
-    (``-inf`` past the vocabulary): ``exp(a - shift) u`` with the shift ``SHIFT`` on rows whose
-    max lies in the window, the max itself on the others."""
-    m = tl.max(a, axis=1)
-    shift = tl.where((m >= LO) & (m <= HI), SHIFT, m)
-    e = tl.exp2(a * LOG2E - (shift * LOG2E)[:, None])
-    lse = shift + tl.log(tl.sum(e, axis=1))
-    if CAPPED:
-        r = f / cap
-        e = e * (1.0 - r * r)
-    return e, lse, m
-
-
-@triton.jit
 def _tiles_kernel(part_ptr, lse_ptr, shift_ptr, bad_ptr, rows, tiles, BR: tl.constexpr, BT: tl.constexpr):
-    """Per row, from the column tiles' log-sum-exps and maxima (``part_ptr``: ``[2, tiles,
-    rows]``): the slice's log-sum-exp, the shift ``E`` ends with (``SHIFT``, or the row's max
+    """Per row, from the column tiles' log-sum-exps and maxima (``part_ptr``: ``triton_exp.ExpParts``): the
+    slice's log-sum-exp, the shift ``E`` ends with (``SHIFT``, or the row's max
     where a tile left the window) and whether a tile left it. ``[BT, BR]`` blocks: many tiles
     in flight at once, the rows contiguous."""
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     live = r < rows
-    m_lse = tl.full([BR], LOWEST, tl.float32)
+    m_lse = tl.full([BR], LOWEST, tl.float32)  # the tiles' log-sum-exps combined online, in base e
     s = tl.zeros([BR], tl.float32)
     m_max = tl.full([BR], LOWEST, tl.float32)
     bad = tl.zeros([BR], tl.int1)
@@ -90,11 +75,9 @@ def _tiles_kernel(part_ptr, lse_ptr, shift_ptr, bad_ptr, rows, tiles, BR: tl.con
         t = t0 + tl.arange(0, BT)
         at = t[:, None] * rows + r[None, :]
         keep = (t < tiles)[:, None] & live[None, :]
-        lse = tl.load(part_ptr + at, mask=keep, other=LOWEST)
-        m = tl.load(part_ptr + tiles * rows + at, mask=keep, other=0.0)
-        grown = tl.maximum(m_lse, tl.max(lse, axis=0))
-        s = s * tl.exp(m_lse - grown) + tl.sum(tl.exp(lse - grown[None, :]), axis=0)
-        m_lse = grown
+        lse = tl.load(part_ptr + EXP_PARTS_AT.value.lse * tiles * rows + at, mask=keep, other=LOWEST)
+        m = tl.load(part_ptr + EXP_PARTS_AT.value.row_max * tiles * rows + at, mask=keep, other=0.0)
+        m_lse, s = lse_step(m_lse, s, lse, AXIS=0, BASE_E=True)
         m_max = tl.maximum(m_max, tl.max(tl.where(keep, m, LOWEST), axis=0))
         bad = bad | (tl.sum((keep & ((m < LO) | (m > HI))).to(tl.int32), axis=0) > 0)
     tl.store(lse_ptr + r, m_lse + tl.log(s), mask=live)
@@ -165,16 +148,16 @@ def exponents_at(z_ptr, tile_max_ptr, x_ptr, w_ptr, r, at, keep, rows, V, H, x_t
 
 @triton.jit
 def _logits_at_kernel(
-    z_ptr, tile_max_ptr, at_ptr, inside_ptr, x_ptr, w_ptr, out_ptr, rows, V, H, K, t_over_scale,
+    z_ptr, tile_max_ptr, at_ptr, inside_ptr, x_ptr, w_ptr, out_ptr, rows, V, H, n_at, t_over_scale,
     BN: tl.constexpr, BK: tl.constexpr, BH: tl.constexpr,
 ):  # fmt: skip
     """The raw logits ``z[r, at[r, i]] = a T / logit_scale`` where ``inside`` (:func:`exponents_at`)."""
     r = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, BK)
-    keep = (i < K) & (tl.load(inside_ptr + r * K + i, mask=i < K, other=0) != 0)
-    at = tl.load(at_ptr + r * K + i, mask=keep, other=0)
+    keep = (i < n_at) & (tl.load(inside_ptr + r * n_at + i, mask=i < n_at, other=0) != 0)
+    at = tl.load(at_ptr + r * n_at + i, mask=keep, other=0)
     a = exponents_at(z_ptr, tile_max_ptr, x_ptr, w_ptr, r, at, keep, rows, V, H, 1.0 / t_over_scale, BN, BK, BH)
-    tl.store(out_ptr + r * K + i, a * t_over_scale, mask=i < K)
+    tl.store(out_ptr + r * n_at + i, a * t_over_scale, mask=i < n_at)
 
 
 @triton.jit
@@ -201,11 +184,9 @@ def exp_logits(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, loss: Loss, z: torch.Tensor
 ) -> tuple[Callable[[torch.Tensor | None], torch.Tensor], Tiles] | None:
     """Write the chunk's ``E`` into ``z`` and return ``(stats, Tiles)``: ``stats(y)`` makes the
-    ``STATS`` local to this vocabulary slice, ``y`` the local labels (None without the hard
+    ``Stats`` local to this vocabulary slice, ``y`` the local labels (None without the hard
     term; only it reads them). ``None`` without touching ``z`` when the chunk's gradient does
     not factor or the GEMM does not take these operands."""
-    from . import triton_logits  # it imports this module, for the epilogue
-
     if not (takes(x, bias, loss) and triton_logits.fits(x, weight, bias, z)):
         return None
     parts, width = triton_logits.launch(x, weight, None, loss, z, exp=True)
@@ -223,23 +204,25 @@ def exp_logits(
                 x, weight, y, f_y, h, v, loss.logit_scale, loss.softcap or 1.0, CAPPED=loss.softcap is not None,
                 BH=512,
             )  # fmt: skip
-        return torch.stack([lse, lse, zero, zero, zero, f_y, zero], dim=1)
+        columns = Stats(lse, lse, lse_teacher=zero, mass=zero, logit_sum=zero, label_logit=f_y, reverse=zero)
+        return torch.stack(columns, dim=1)
 
-    return stats, Tiles(parts[1], width, shift, bad)
+    return stats, Tiles(parts[EXP_PARTS.row_max], width, shift, bad)
 
 
 def logits_at(
     z: torch.Tensor, tiles: Tiles, at: torch.Tensor, inside: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     loss: Loss,
 ) -> torch.Tensor:  # fmt: skip
-    """The chunk's raw logits ``[rows, k]`` at the columns ``at`` (where ``inside``), from ``E``
+    """The chunk's raw logits ``[rows, n_at]`` at the columns ``at`` (where ``inside``), from ``E``
     before :func:`settle` changes it (see ``_logits_at_kernel``)."""
-    rows, k = at.shape
-    out = torch.empty(rows, k, dtype=torch.float32, device=z.device)
-    if rows and k:
+    rows, n_at = at.shape
+    out = torch.empty(rows, n_at, dtype=torch.float32, device=z.device)
+    if rows and n_at:
         _logits_at_kernel[(rows,)](
             z, tiles.max, at.contiguous(), inside.to(torch.int8).contiguous(), x, weight, out, rows, z.shape[1],
-            x.shape[1], k, loss.temperature / loss.logit_scale, BN=tiles.width, BK=triton.next_power_of_2(k), BH=128,
+            x.shape[1], n_at, loss.temperature / loss.logit_scale, BN=tiles.width, BK=triton.next_power_of_2(n_at),
+            BH=128,
         )  # fmt: skip
     return out
 
@@ -248,37 +231,37 @@ def settle(
     z: torch.Tensor,
     tiles: Tiles,
     stats: torch.Tensor,
-    beta: torch.Tensor,
+    q_factor: torch.Tensor,
     c_hard: torch.Tensor,
     y: torch.Tensor | None,
     loss: Loss,
     sparse: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     set_at: Callable | None = None,
 ) -> torch.Tensor:
-    """Make ``z`` the chunk's ``E`` and return ``alpha``. ``beta``: the rows' factor of ``q`` in
-    ``dL/dz`` (``c_hard``, plus ``c_soft K`` with a top-k teacher); ``stats`` their combined
-    ``STATS``; ``y`` the local labels (None without the hard term); ``sparse``: ``(at, values,
+    """Make ``z`` the chunk's ``E`` and return ``alpha``. ``q_factor``: the rows' factor ``w`` of
+    ``q`` in ``dL/dz`` (``c_hard``, plus ``c_soft K`` with a top-k teacher); ``stats`` their
+    combined ``Stats``; ``y`` the local labels (None without the hard term); ``sparse``: ``(at, values,
     mask)``, the top-k teacher's ``dL/dz`` at its tokens, written with ``set_at``
     (``fused_kl.chunk.ChunkOps``). Rows out of the window are rescaled; rows with no dense part
-    (``beta = 0``) but sparse values are zeroed first; the label entries are written, then the
+    (``w = 0``) but sparse values are zeroed first; the label entries are written, then the
     sparse ones."""
     rows, v = z.shape
-    flags, dense = tiles.bad, beta
+    flags, dense = tiles.bad, q_factor
     if sparse is not None:
         at, values, mask = sparse
-        empty = (beta == 0) & (mask & (values != 0)).any(-1)
+        empty = (q_factor == 0) & (mask & (values != 0)).any(-1)
         flags = torch.where(empty, 2, flags).to(torch.int8)
-        dense = torch.where(empty, 1.0, beta)
+        dense = torch.where(empty, 1.0, q_factor)
     _repair_kernel[(rows,)](z, tiles.max, tiles.shift, flags, rows, v, BN=tiles.width)
-    lse = stats[:, 0]  # at T: the exponent's; the same as the hard term's where both are used
+    lse = stats[:, STATS.lse]  # at T: the exponent's; the same as the hard term's where both are used
     alpha = dense * loss.logit_scale * torch.exp(tiles.shift - lse)
     divisor = torch.where(alpha == 0, 1.0, alpha)
-    if y is not None:  # dL/dz_y = logit_scale u_y (beta q_y - c_hard)
-        f_y = stats[:, 5]
+    if y is not None:  # dL/dz_y = logit_scale u_y (w q_y - c_hard)
+        f_y = stats[:, STATS.label_logit]
         inside = (y >= 0) & (y < v)
         at_y = torch.where(inside, y, 0)[:, None]
         u_y = 1.0 if loss.softcap is None else 1.0 - (f_y / loss.softcap) ** 2
-        label = loss.logit_scale * u_y * (beta * torch.exp(f_y - stats[:, 1]) - c_hard) / divisor
+        label = loss.logit_scale * u_y * (q_factor * torch.exp(f_y - stats[:, STATS.lse_hard]) - c_hard) / divisor
         z.scatter_(1, at_y, torch.where(inside, label, z.gather(1, at_y)[:, 0].float())[:, None].to(z.dtype))
     if sparse is not None:
         set_at(z, at, values / divisor[:, None], mask)

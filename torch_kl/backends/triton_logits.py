@@ -1,7 +1,7 @@
 """The logits GEMM with the ``stats`` phase in its epilogue: one pass over the chunk fewer.
 
 ``z = x W^T (+ b)`` as a persistent Triton GEMM. While a ``[BM, BN]`` tile of logits is still in
-registers, the epilogue computes that tile's share of ``fused_kl.rowmath.STATS`` with the same
+registers, the epilogue computes that tile's share of ``fused_kl.rows.Stats`` with the same
 ``triton_terms`` terms (log-sum-exps of ``f(z)/T`` and, for the hard term, of ``f(z)``; ``sum
 f(z)``) and stores it per column tile; :func:`logits_with_stats` combines the tiles like
 vocabulary shards. The statistics are those of the logits as stored (rounded to their dtype),
@@ -12,9 +12,8 @@ the cross-entropy, top-k teachers, and JSD on probabilities. For the chunks whos
 ``dL/dz`` factors (``triton_factored``: the bfloat16 cross-entropy and top-k teachers) the
 epilogue writes ``exp(f(z) / T - shift)`` from the float32 accumulator instead of the logits.
 Where the statistics need the teacher, the epilogue would read the teacher's tile after the
-GEMM's main loop, exposed, and on the H200 that cost as much as the ``stats`` kernel's pass
-saves; the teacher head's log-sum-exp in its own GEMM's epilogue was a wash too
-(benchmarks/RESULTS-2026-12-01-factored.md).
+GEMM's main loop, exposed, which costs what the ``stats`` kernel's pass saves; so would the
+teacher head's log-sum-exp in its own GEMM's epilogue (docs/design-notes.md, GEMMs).
 
 The same GEMM with nothing in its epilogue (:func:`plain_logits`) makes a teacher head's logits.
 
@@ -22,7 +21,7 @@ On Hopper the tiles move by TMA (tensor descriptors); elsewhere (the CPU interpr
 by masked pointer loads. Inputs the kernel does not take get ``None`` back, and the caller runs
 cuBLAS and the ``stats`` kernel.
 
-``jax_kl`` has no counterpart yet: its logits GEMM is XLA's. Its Mosaic GPU GEMM
+``jax_kl`` has no counterpart: its logits GEMM is XLA's. Its Mosaic GPU GEMM
 (``jax_kl/backends/mosaic_accumulate.py``) is 8-11 % slower than cuBLAS on the H200, more than
 this epilogue saves.
 """
@@ -32,6 +31,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -40,18 +40,32 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fused_kl import rowmath
 from fused_kl.loss import Loss
+from fused_kl.rows import Stats
 
 from ..ops import OPS
-from .triton_factored import exp_tile
+from .triton_exp import EXP_PARTS_AT, ExpParts, exp_tile
 from .triton_phases import kernel_floats
 from .triton_terms import LN2, LOG2E, transform
 
-# Tile shape measured on the H200 (benchmarks/RESULTS-2026-12-01.md, RESULTS-2026-12-01-factored.md): a 128 x 256 tile,
-# 3 stages and one program per SM run the chunk's logits GEMM within 1 % of cuBLAS; the statistics
-# epilogue adds 3-6 % more, by run (split stores, 4 stages or wider groups did not help).
+# The fastest tile shape on the H200 (docs/design-notes.md, GEMMs): a 128 x 256 tile, 3 stages and
+# one program per SM run the chunk's logits GEMM within 1 % of cuBLAS, with the statistics epilogue
+# within 3 %; split stores, 4 stages, other groups and tiles measured no faster.
 GPU_CONFIG = dict(BM=128, BN=256, BK=64, GROUP=8, num_warps=8, num_stages=3)
 INTERPRET_CONFIG = dict(BM=16, BN=32, BK=16, GROUP=2, num_warps=4, num_stages=1)
-PARTS = 3  # per column tile: lse, lse_hard, sum f
+
+
+class StatsParts(NamedTuple):
+    """What the epilogue stores per column tile and row with the statistics
+    (``[len(StatsParts), tiles, rows]``), combined into ``Stats`` by :func:`_combine`."""
+
+    lse: Any  # of f(z) / T
+    lse_hard: Any  # of f(z)
+    logit_sum: Any  # sum f(z)
+
+
+STATS_PARTS = StatsParts(*range(len(StatsParts._fields)))
+STATS_PARTS_AT: tl.constexpr = tl.constexpr(STATS_PARTS)  # in the kernel: ``STATS_PARTS_AT.value.lse``
+PARTS = max(len(StatsParts._fields), len(ExpParts._fields))  # one buffer serves both epilogues
 
 
 @triton.jit
@@ -67,7 +81,7 @@ def _grouped(tile, num_m, num_n, GROUP: tl.constexpr):
 @triton.jit
 def _tile_lse(f, c):
     """Each row's log-sum-exp of ``c * f`` (``c > 0``), with one FMA and one ``exp2`` an element:
-    the epilogue's arithmetic is exposed between two tiles' MMAs (benchmarks/RESULTS-2026-12-01-factored.md)."""
+    the epilogue's arithmetic is exposed between two tiles' MMAs."""
     m = tl.max(f, axis=1)
     k = c * LOG2E
     return c * m + tl.log2(tl.sum(tl.exp2(f * k - (m * k)[:, None]), axis=1)) * LN2
@@ -75,7 +89,7 @@ def _tile_lse(f, c):
 
 @triton.jit
 def _logits_kernel(
-    x, w, z, bias_ptr, part_ptr, M, V, K, inv_t, scale, cap,
+    x, w, z, bias_ptr, part_ptr, M, V, H, inv_t, scale, cap,
     CAPPED: tl.constexpr, SUM_F: tl.constexpr, EXP: tl.constexpr, STATS: tl.constexpr,
     HARD_LSE: tl.constexpr, HAS_BIAS: tl.constexpr, TMA: tl.constexpr, F16: tl.constexpr, UPCAST: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr, NPROG: tl.constexpr,
@@ -89,16 +103,16 @@ def _logits_kernel(
         rows = pm * BM + tl.arange(0, BM)
         cols = pn * BN + tl.arange(0, BN)
         acc = tl.zeros((BM, BN), tl.float32)
-        for k in range(0, K, BK):
+        for k in range(0, H, BK):
             if TMA:
                 xa = x.load([pm * BM, k])
                 wb = w.load([pn * BN, k])
             else:
                 ks = k + tl.arange(0, BK)
-                xa = tl.load(x + rows[:, None].to(tl.int64) * K + ks[None, :],
-                             mask=(rows[:, None] < M) & (ks[None, :] < K), other=0.0)  # fmt: skip
-                wb = tl.load(w + cols[:, None].to(tl.int64) * K + ks[None, :],
-                             mask=(cols[:, None] < V) & (ks[None, :] < K), other=0.0)  # fmt: skip
+                xa = tl.load(x + rows[:, None].to(tl.int64) * H + ks[None, :],
+                             mask=(rows[:, None] < M) & (ks[None, :] < H), other=0.0)  # fmt: skip
+                wb = tl.load(w + cols[:, None].to(tl.int64) * H + ks[None, :],
+                             mask=(cols[:, None] < V) & (ks[None, :] < H), other=0.0)  # fmt: skip
             if UPCAST:
                 xa, wb = xa.to(tl.float32), wb.to(tl.float32)
             acc = tl.dot(xa, wb.T, acc)
@@ -122,8 +136,8 @@ def _logits_kernel(
             tl.store(z + rows[:, None].to(tl.int64) * V + cols[None, :], zq,
                      mask=(rows[:, None] < M) & valid)  # fmt: skip
         if EXP:
-            tl.store(out, tile_lse, mask=live)
-            tl.store(out + part_stride, tile_max, mask=live)
+            tl.store(out + EXP_PARTS_AT.value.lse * part_stride, tile_lse, mask=live)
+            tl.store(out + EXP_PARTS_AT.value.row_max * part_stride, tile_max, mask=live)
         elif STATS:
             if CAPPED:
                 f = transform(zq.to(tl.float32), scale, cap, CAPPED)
@@ -133,11 +147,12 @@ def _logits_kernel(
                 c = scale
             if partial:
                 f = tl.where(valid, f, -float("inf"))
-            tl.store(out, _tile_lse(f, c * inv_t), mask=live)
+            tl.store(out + STATS_PARTS_AT.value.lse * part_stride, _tile_lse(f, c * inv_t), mask=live)
             if HARD_LSE:
-                tl.store(out + part_stride, _tile_lse(f, c), mask=live)
+                tl.store(out + STATS_PARTS_AT.value.lse_hard * part_stride, _tile_lse(f, c), mask=live)
             if SUM_F:
-                tl.store(out + 2 * part_stride, tl.sum(tl.where(valid, f, 0.0), axis=1) * c, mask=live)
+                f_sum = tl.sum(tl.where(valid, f, 0.0), axis=1) * c
+                tl.store(out + STATS_PARTS_AT.value.logit_sum * part_stride, f_sum, mask=live)
 
 
 @functools.cache
@@ -171,7 +186,7 @@ def launch(
 ) -> tuple[torch.Tensor, int]:
     """Run the kernel; ``(the column tiles' partial statistics [PARTS, tiles, rows], tile width)``.
     Without a ``loss`` the epilogue only stores the logits (the partials are left unwritten)."""
-    (m, k), v = x.shape, weight.shape[0]
+    (m, h), v = x.shape, weight.shape[0]
     interpreted = _interpreted(x.device)
     cfg = dict(INTERPRET_CONFIG if interpreted else GPU_CONFIG)
     bm, bn, bk = cfg.pop("BM"), cfg.pop("BN"), cfg.pop("BK")
@@ -197,7 +212,7 @@ def launch(
         flags = dict(CAPPED=common["CAPPED"], SUM_F=_sums_f(loss), HARD_LSE=loss.separate_hard_lse)
         parts = torch.empty(PARTS, triton.cdiv(v, bn), m, dtype=torch.float32, device=x.device)
     _logits_kernel[(programs,)](
-        *operands, z if bias is None else bias, parts, m, v, k, *floats, **flags, EXP=exp, STATS=loss is not None,
+        *operands, z if bias is None else bias, parts, m, v, h, *floats, **flags, EXP=exp, STATS=loss is not None,
         HAS_BIAS=bias is not None, TMA=tma, F16=x.dtype == torch.float16, UPCAST=bf16_interpreted,
         BM=bm, BN=bn, BK=bk, NPROG=programs, **cfg,
     )  # fmt: skip
@@ -223,9 +238,8 @@ def logits_with_stats(
 
 def plain_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, z: torch.Tensor) -> bool:
     """Write ``x W^T (+ bias)`` into ``z`` with the same GEMM and nothing else in its epilogue
-    (a teacher head's logits: on the H200 it ran a 1024-row block of them faster than cuBLAS,
-    benchmarks/RESULTS-2026-12-02-blocks.md); False, ``z`` untouched, where it does not take
-    the operands."""
+    (a teacher head's logits: on the H200 it runs a 1024-row block of them faster than cuBLAS,
+    docs/design-notes.md); False, ``z`` untouched, where it does not take the operands."""
     if not fits(x, weight, bias, z):
         return False
     launch(x, weight, bias, None, z, exp=False)
@@ -238,22 +252,20 @@ def _sums_f(loss: Loss) -> bool:
 
 
 def _combine(parts: torch.Tensor, z: torch.Tensor, y: torch.Tensor | None, loss: Loss) -> torch.Tensor:
-    """The column tiles' partial statistics combined into each row's ``STATS``."""
+    """The column tiles' partial statistics combined into each row's ``Stats``."""
 
-    def lse(i: int) -> torch.Tensor:
-        return rowmath.combine_lse(parts[i], lambda a: a.amax(0), lambda a: a.sum(0), torch)
+    def lse(at: int) -> torch.Tensor:
+        return rowmath.combine_lse(parts[at], lambda a: a.amax(0), lambda a: a.sum(0), torch)
 
     zero = torch.zeros(z.shape[0], dtype=torch.float32, device=z.device)
-    lse_z = lse(0)
-    return torch.stack(
-        [
-            lse_z,
-            lse(1) if loss.separate_hard_lse else lse_z,
-            zero,
-            zero,
-            parts[2].sum(0) if _sums_f(loss) else zero,
-            zero if y is None else rowmath.label_logit(z, y, loss, OPS.gather, torch),
-            zero,  # no reverse KL here: its stats read the teacher
-        ],
-        dim=1,
+    lse_z = lse(STATS_PARTS.lse)
+    columns = Stats(
+        lse=lse_z,
+        lse_hard=lse(STATS_PARTS.lse_hard) if loss.separate_hard_lse else lse_z,
+        lse_teacher=zero,
+        mass=zero,
+        logit_sum=parts[STATS_PARTS.logit_sum].sum(0) if _sums_f(loss) else zero,
+        label_logit=zero if y is None else rowmath.label_logit(z, y, loss, OPS.gather, torch),
+        reverse=zero,  # no reverse KL here: its stats read the teacher
     )
+    return torch.stack(columns, dim=1)

@@ -6,9 +6,11 @@ with the driver's per-row math (and, for a sharded vocabulary, the all-reduces) 
 
 * ``stats``: online log-sum-exps of the student (at ``T`` and, for the hard term, at 1) and of
   teacher logits, the teacher's mass ``S = sum p``, ``sum f(z)``, ``f(z_y)`` and, online with
-  the student's log-sum-exp, reverse KL's sum (``fused_kl.rowmath.REVERSE``);
-* ``value`` (JSD): the second reduction, ``A, B``, which needs the student's log-sum-exp first;
+  the student's log-sum-exp, reverse KL's sum (``fused_kl.rows.Stats.reverse``);
+* ``mixture_sums`` (JSD): the second reduction, ``A, B``, which needs the student's log-sum-exp first;
 * ``finish``: ``dL/dz`` written over the logits, and the forward KL's row sums.
+
+Each reads and writes its per-row columns where ``fused_kl.rows`` places them.
 
 Each row is walked in ``[TILE_R, TILE_C]`` tiles (``fused_kl.plan``): running maxima and sums
 are kept per tile row and combined once. Offsets into the teacher are 64-bit (``N * V`` can
@@ -23,21 +25,30 @@ import torch
 import triton
 import triton.language as tl
 
-from fused_kl import rowmath
+from fused_kl import rows
 from fused_kl.loss import KINDS, Loss
 
 from .triton_terms import (
+    COEFS,
     FORWARD,
-    LN2,
     LOG2E,
     LOG_PROBS,
     LOGITS,
     LOWEST,
+    MIXTURE_SUMS,
+    N_COEFS,
+    N_MIXTURE_SUMS,
+    N_STATS,
     NO_TEACHER,
     PROBS,
+    STATS,
     fast_log,
     log_mix,
     log_softmax,
+    lse_of,
+    lse_step,
+    reverse_part,
+    reverse_step,
     scaled,
     slope,
     soft_direction,
@@ -46,42 +57,6 @@ from .triton_terms import (
 )
 
 FORMATS = ("probs", "log_probs", "logits")
-N_STATS: tl.constexpr = tl.constexpr(len(rowmath.STATS))
-N_COEFS: tl.constexpr = tl.constexpr(len(rowmath.COEFS))
-
-
-@triton.jit
-def lse_step(m, s, a):
-    """Running max and sum of ``2**a`` per tile row, after one more tile ``a`` (base 2)."""
-    m_new = tl.maximum(m, tl.max(a, axis=1))
-    return m_new, s * tl.exp2(m - m_new) + tl.sum(tl.exp2(a - m_new[:, None]), axis=1)
-
-
-@triton.jit
-def reverse_step(m, s, u, a, b):
-    """``lse_step`` and reverse KL's ``u = sum 2**(a - m) (a - m - b)`` (base 2; ``fused_kl.rowmath.REVERSE``)."""
-    m_new = tl.maximum(m, tl.max(a, axis=1))
-    c = tl.exp2(m - m_new)
-    d = a - m_new[:, None]
-    e = tl.exp2(d)
-    du = tl.sum(tl.where(e > 0, e * (d - b), 0.0), axis=1)
-    return m_new, s * c + tl.sum(e, axis=1), c * (u + (m - m_new) * s) + du
-
-
-@triton.jit
-def reverse_part(m, s, u):
-    """``rho`` (natural units) from the tile rows' base-2 running ``(m, s, u)``."""
-    top = tl.max(m, axis=0)
-    c = tl.exp2(m - top)
-    total = tl.sum(c * s, axis=0)
-    return (tl.sum(c * (u + (m - top) * s), axis=0) / total - tl.log2(total)) * LN2
-
-
-@triton.jit
-def _lse(m, s):
-    """The natural log-sum-exp from the tile rows' base-2 running ``(max, sum)``."""
-    m_all = tl.max(m, axis=0)
-    return (m_all + tl.log2(tl.sum(s * tl.exp2(m - m_all), axis=0))) * LN2
 
 
 @triton.jit
@@ -135,13 +110,13 @@ def _stats_kernel(
             if FORMAT == LOG_PROBS:
                 p = tl.exp(t)
             mass += tl.sum(tl.where(mask, p, 0.0), axis=1)
-    lse = _lse(m, s)
+    lse = lse_of(m, s)
     lse_h = lse
     if HARD_LSE:
-        lse_h = _lse(mh, sh)
+        lse_h = lse_of(mh, sh)
     lse_t = 0.0
     if FORMAT == LOGITS:
-        lse_t = _lse(mt, st)
+        lse_t = lse_of(mt, st)
     label_logit = 0.0
     if HARD:
         y = tl.load(y_ptr + r)
@@ -152,17 +127,17 @@ def _stats_kernel(
     if REV:
         rho = reverse_part(m, s, u)
     out = out_ptr + r * N_STATS
-    tl.store(out, lse)
-    tl.store(out + 1, lse_h)
-    tl.store(out + 2, lse_t)
-    tl.store(out + 3, tl.sum(mass, axis=0))
-    tl.store(out + 4, tl.sum(f_sum, axis=0))
-    tl.store(out + 5, label_logit)
-    tl.store(out + 6, rho)
+    tl.store(out + STATS.value.lse, lse)
+    tl.store(out + STATS.value.lse_hard, lse_h)
+    tl.store(out + STATS.value.lse_teacher, lse_t)
+    tl.store(out + STATS.value.mass, tl.sum(mass, axis=0))
+    tl.store(out + STATS.value.logit_sum, tl.sum(f_sum, axis=0))
+    tl.store(out + STATS.value.label_logit, label_logit)
+    tl.store(out + STATS.value.reverse, rho)
 
 
 @triton.jit
-def _value_kernel(
+def _mixture_sums_kernel(
     z_ptr, z_stride, t_ptr, t_stride_r, t_stride_c, stats_ptr, out_ptr, V,
     inv_t, scale, cap, inv_tt, t_scale, t_cap, eps, beta,
     FORMAT: tl.constexpr, CAPPED: tl.constexpr, T_CAPPED: tl.constexpr, TILE_R: tl.constexpr,
@@ -176,8 +151,8 @@ def _value_kernel(
     t_row = t_ptr + r * t_stride_r
     offs = tl.arange(0, TILE_R)[:, None] * TILE_C + tl.arange(0, TILE_C)[None, :]
     BLOCK: tl.constexpr = TILE_R * TILE_C
-    lse = tl.load(stats_ptr + r * N_STATS)
-    lse_t = tl.load(stats_ptr + r * N_STATS + 2)
+    lse = tl.load(stats_ptr + r * N_STATS + STATS.value.lse)
+    lse_t = tl.load(stats_ptr + r * N_STATS + STATS.value.lse_teacher)
     acc_a = tl.zeros([TILE_R], tl.float32)
     acc_b = tl.zeros([TILE_R], tl.float32)
     for start in range(0, V, BLOCK):
@@ -190,8 +165,9 @@ def _value_kernel(
         pos, log_m = log_mix(p, q, beta)
         acc_a += tl.sum(tl.where(mask & (p > 0), p * (log_p - log_m), 0.0), axis=1)
         acc_b += tl.sum(tl.where(mask & pos, q * (log_q - log_m), 0.0), axis=1)
-    tl.store(out_ptr + r * 2, tl.sum(acc_a, axis=0))
-    tl.store(out_ptr + r * 2 + 1, tl.sum(acc_b, axis=0))
+    out = out_ptr + r * N_MIXTURE_SUMS
+    tl.store(out + MIXTURE_SUMS.value.teacher, tl.sum(acc_a, axis=0))
+    tl.store(out + MIXTURE_SUMS.value.student, tl.sum(acc_b, axis=0))
 
 
 @triton.jit
@@ -212,12 +188,12 @@ def _finish_kernel(
     offs = tl.arange(0, TILE_R)[:, None] * TILE_C + tl.arange(0, TILE_C)[None, :]
     BLOCK: tl.constexpr = TILE_R * TILE_C
     coef = coef_ptr + r * N_COEFS
-    lse = tl.load(coef)
-    lse_h = tl.load(coef + 1)
-    lse_t = tl.load(coef + 2)
-    k = tl.load(coef + 3)
-    c_soft = tl.load(coef + 4)
-    c_hard = tl.load(coef + 5)
+    lse = tl.load(coef + COEFS.value.lse)
+    lse_h = tl.load(coef + COEFS.value.lse_hard)
+    lse_t = tl.load(coef + COEFS.value.lse_teacher)
+    k = tl.load(coef + COEFS.value.soft_const)
+    c_soft = tl.load(coef + COEFS.value.soft_scale)
+    c_hard = tl.load(coef + COEFS.value.hard_scale)
     live = (c_soft != 0.0) | (c_hard != 0.0)  # ignored rows: exactly 0, never NaN
     y = -1
     if HARD:
@@ -278,15 +254,15 @@ def _launch(tile: tuple[int, int]) -> dict:
 def stats(
     z: torch.Tensor, t: torch.Tensor | None, y: torch.Tensor | None, loss: Loss, tile: tuple[int, int]
 ) -> torch.Tensor:
-    """``fused_kl.rowmath.STATS`` of each row of the chunk (local to this vocabulary slice)."""
-    rows, v = z.shape
-    out = torch.empty(rows, len(rowmath.STATS), dtype=torch.float32, device=z.device)
-    if rows:
+    """``fused_kl.rows.Stats`` of each row of the chunk (local to this vocabulary slice)."""
+    n, v = z.shape
+    out = torch.empty(n, len(rows.STATS), dtype=torch.float32, device=z.device)
+    if n:
         teacher = t is not None
         fmt, rev = _format(loss, t), teacher and loss.kind == "reverse"
         if fmt == LOGITS and not rev:  # two log-sum-exps a column: half-height tiles ran 12 % faster (H200)
             tile = (max(tile[0] // 2, 1), tile[1])
-        _stats_kernel[(rows,)](
+        _stats_kernel[(n,)](
             z, z.stride(0), *_teacher_args(z, t), out if y is None else y, out, v, **kernel_floats(loss),
             eps=loss.teacher.eps if teacher else 1e-10, FORMAT=fmt, HARD=y is not None,
             HARD_LSE=loss.separate_hard_lse, MASS=teacher and loss.kind == "forward" and not loss.teacher.has_logits,
@@ -295,12 +271,14 @@ def stats(
     return out
 
 
-def value(z: torch.Tensor, t: torch.Tensor, stats: torch.Tensor, loss: Loss, tile: tuple[int, int]) -> torch.Tensor:
-    """Phase 2 (JSD): each row's sums ``(A, B)``."""
-    rows, v = z.shape
-    out = torch.empty(rows, 2, dtype=torch.float32, device=z.device)
-    if rows:
-        _value_kernel[(rows,)](
+def mixture_sums(
+    z: torch.Tensor, t: torch.Tensor, stats: torch.Tensor, loss: Loss, tile: tuple[int, int]
+) -> torch.Tensor:
+    """Phase 2 (JSD): each row's ``fused_kl.rows.MixtureSums``."""
+    n, v = z.shape
+    out = torch.empty(n, len(rows.MIXTURE_SUMS), dtype=torch.float32, device=z.device)
+    if n:
+        _mixture_sums_kernel[(n,)](
             z, z.stride(0), *_teacher_args(z, t), stats, out, v, **kernel_floats(loss), eps=loss.teacher.eps,
             beta=loss.beta, FORMAT=_format(loss, t), **_launch(tile),
         )  # fmt: skip
@@ -319,10 +297,10 @@ def finish(
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """Phase 3: ``dL/dz`` written over ``z`` (if ``write_grad``); returns ``(z or None, the rows'
     forward-KL sums)``."""
-    rows, v = z.shape
-    out = torch.empty(rows, dtype=torch.float32, device=z.device)
-    if rows:
-        _finish_kernel[(rows,)](
+    n, v = z.shape
+    out = torch.empty(n, dtype=torch.float32, device=z.device)
+    if n:
+        _finish_kernel[(n,)](
             z, z.stride(0), *_teacher_args(z, t), coefs if y is None else y, coefs, out, v, **kernel_floats(loss),
             eps=loss.teacher.eps if loss.teacher else 1e-10, beta=loss.beta, keep_label=1.0 - loss.label_smoothing,
             smooth_per_v=loss.label_smoothing / v_total, FORMAT=_format(loss, t), KIND=KINDS.index(loss.kind),

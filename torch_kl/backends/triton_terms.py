@@ -1,11 +1,12 @@
 """``fused_kl.terms`` translated to ``tl`` term by term, for the Triton kernels
-(``triton_phases``, and the logits GEMM's epilogue in ``triton_logits``/``triton_factored``).
+(``triton_phases``, and the logits GEMM's epilogue in ``triton_logits``/``triton_factored``),
+with what every kernel shares: the row layout (``fused_kl.rows``) and the online log-sum-exp.
 
 At HBM speed the row passes are bound by their arithmetic, so it is kept short. The scales arrive
 at run time (one compiled kernel serves every temperature) and the compiler cannot fold them: the
 kernels fold them themselves and work in base 2 (``log2 q = c z - lse2``, one FMA before an
 ``exp2``). ``tl.log`` expands to about thirty instructions; :func:`fast_log` is the hardware's
-approximate ``lg2`` (two), within float32's rounding of the result (benchmarks/RESULTS-2026-12-01-rowmath.md).
+approximate ``lg2`` (two), within float32's rounding of the result (docs/design-notes.md, row kernels).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from fused_kl import terms
+from fused_kl import rows, terms
 
 PROBS: tl.constexpr = tl.constexpr(0)
 LOG_PROBS: tl.constexpr = tl.constexpr(1)
@@ -35,6 +36,58 @@ LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 TINY: tl.constexpr = tl.constexpr(terms.TINY)
 # The approximate logarithm is CUDA's libdevice; Triton's interpreter (the CPU tests) and ROCm take tl.log.
 FAST_LOG: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1" and torch.version.hip is None)
+# The row layout's offsets as compile-time constants: ``STATS.value.lse`` (``.value`` is the one
+# attribute of a constexpr global that both the compiler and the interpreter resolve). A constexpr
+# global's value is part of the kernels' cache key: a changed layout recompiles them.
+STATS: tl.constexpr = tl.constexpr(rows.STATS)
+COEFS: tl.constexpr = tl.constexpr(rows.COEFS)
+MIXTURE_SUMS: tl.constexpr = tl.constexpr(rows.MIXTURE_SUMS)
+N_STATS: tl.constexpr = tl.constexpr(len(rows.STATS))
+N_COEFS: tl.constexpr = tl.constexpr(len(rows.COEFS))
+N_MIXTURE_SUMS: tl.constexpr = tl.constexpr(len(rows.MIXTURE_SUMS))
+
+
+@triton.jit
+def lse_step(m, s, a, AXIS: tl.constexpr = 1, BASE_E: tl.constexpr = False):
+    """The online log-sum-exp: the running max ``m`` and sum ``s`` of ``2**(a - m)`` along ``AXIS``
+    after one more block ``a`` (base 2, as the row passes work; ``e**(a - m)`` with ``BASE_E``)."""
+    m_new = tl.maximum(m, tl.max(a, axis=AXIS))
+    d = a - tl.expand_dims(m_new, AXIS)
+    if BASE_E:
+        c = tl.exp(m - m_new)
+        e = tl.exp(d)
+    else:
+        c = tl.exp2(m - m_new)
+        e = tl.exp2(d)
+    return m_new, s * c + tl.sum(e, axis=AXIS)
+
+
+@triton.jit
+def lse_of(m, s):
+    """The natural log-sum-exp from the tile rows' base-2 running ``(max, sum)``."""
+    m_all = tl.max(m, axis=0)
+    return (m_all + tl.log2(tl.sum(s * tl.exp2(m - m_all), axis=0))) * LN2
+
+
+@triton.jit
+def reverse_step(m, s, u, a, b):
+    """:func:`lse_step` and reverse KL's ``u = sum 2**(a - m) (a - m - b)`` (base 2;
+    ``fused_kl.rows.Stats.reverse``), one exponential an element for both."""
+    m_new = tl.maximum(m, tl.max(a, axis=1))
+    c = tl.exp2(m - m_new)
+    d = a - m_new[:, None]
+    e = tl.exp2(d)
+    du = tl.sum(tl.where(e > 0, e * (d - b), 0.0), axis=1)
+    return m_new, s * c + tl.sum(e, axis=1), c * (u + (m - m_new) * s) + du
+
+
+@triton.jit
+def reverse_part(m, s, u):
+    """``rho`` (natural units) from the tile rows' base-2 running ``(m, s, u)``."""
+    top = tl.max(m, axis=0)
+    c = tl.exp2(m - top)
+    total = tl.sum(c * s, axis=0)
+    return (tl.sum(c * (u + (m - top) * s), axis=0) / total - tl.log2(total)) * LN2
 
 
 @triton.jit
