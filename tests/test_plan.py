@@ -12,7 +12,7 @@ import pytest
 
 from fused_kl.loss import Loss
 from fused_kl.plan import CHUNK_BYTES, INT32_MAX, TEACHER_BLOCK_BYTES, plan_chunks
-from fused_kl.rowmath import float16_unscale, reduction_scale, scales
+from fused_kl.rowmath import float16_unscale, loss_weights, reduction_scale
 
 
 @pytest.mark.parametrize(
@@ -83,24 +83,24 @@ def test_float16_unscale_is_a_clamped_power_of_two() -> None:
 
 
 @pytest.mark.parametrize("reduction", ["batchmean", "sum", "mean"])
-def test_scales_weigh_the_soft_and_hard_terms(reduction: str) -> None:
+def test_loss_weights_weigh_the_soft_and_hard_terms(reduction: str) -> None:
     loss = Loss(reduction=reduction, weight_soft=0.5, weight_hard=2.0)
     kept, v = np.float32(4.0), 5
-    soft, hard, unscale = scales(kept, loss, v, False, np)
+    soft, hard, unscale = loss_weights(kept, loss, v, False, np)
     s = {"batchmean": 1 / 4, "sum": 1.0, "mean": 1 / 20}[reduction]
     assert float(soft) == pytest.approx(0.5 * s)
     assert float(hard) == pytest.approx(2.0 * (1.0 if reduction == "sum" else 1 / 4))  # the hard term: per row
     assert unscale is None
     # float16: dL/dz stored divided by the power of two of the larger row weight.
-    assert float(scales(kept, loss, v, True, np)[2]) == float(float16_unscale(max(soft, hard), np))
-    assert float(scales(np.float32(3000.0), Loss(), v, True, np)[2]) == 2.0**-12
+    assert float(loss_weights(kept, loss, v, True, np).unscale) == float(float16_unscale(max(soft, hard), np))
+    assert float(loss_weights(np.float32(3000.0), Loss(), v, True, np).unscale) == 2.0**-12
 
 
 @pytest.mark.parametrize("reduction", ["sum", "mean", "batchmean"])
-def test_kernel_scales_are_strongly_typed_float32(reduction: str) -> None:
+def test_loss_weights_are_strongly_typed_float32(reduction: str) -> None:
     """A weakly typed scale operand breaks the Pallas kernel's GPU lowering (seen on the H200)."""
     for kept in (jnp.float32(3), jnp.float32(0)):
-        for scale in scales(kept, Loss(reduction=reduction, weight_hard=0.5), 5, True, jnp):
+        for scale in loss_weights(kept, Loss(reduction=reduction, weight_hard=0.5), 5, True, jnp):
             assert scale.dtype == jnp.float32 and not scale.weak_type
 
 
