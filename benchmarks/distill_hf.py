@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
             row = {"impl": name, "tokens": tokens, "batch": tokens // seq, "seq": seq}
             print(f"[{len(rows) + 1}/{total}] {name}, {tokens} tokens: ", end="", flush=True)
             row |= run_row(name, models, row["batch"], seq, on_gpu)
-            release()  # after run_row: an exception it caught no longer holds the row's tensors
+            release()  # outside run_row, where no exception it caught holds the row's tensors
             measured = (f"{k} {row[k]:.6g}" for k in ("ms", "peak_gib", "loss") if row.get(k) is not None)
             print(", ".join((row["status"], *measured)), flush=True)
             rows.append(row)

@@ -102,7 +102,7 @@ def _gather(group: Any, mine: list[int], device: torch.device) -> list[list[int]
 
     if _dist().get_backend(group) == "gloo":
         device = torch.device("cpu")
-    gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor  # renamed in torch 2.12
+    gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor  # torch 2.11 has only the second
     gathered = gather(torch.tensor(mine, dtype=torch.int64, device=device), 0, group)
     return gathered.reshape(-1, len(mine)).tolist()
 
