@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 import trl
+from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -30,16 +31,16 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from . import fused_linear_kl_div
 from .transformers import IGNORE_INDEX, causal_lm_parts, distillation_loss
 
-SUPPORTED_GKD = ">=1.8,<2"
-SUPPORTED_DISTILLATION = ">=1.16,<1.17"
+SUPPORTED_GKD = SpecifierSet(">=1.8,<2")
+SUPPORTED_DISTILLATION = SpecifierSet(">=1.16,<1.17")
 TRL_VERSION = Version(trl.__version__)
 
 
-def _unsupported(what: str, supported: str) -> ImportError:
+def _unsupported(what: str, supported: SpecifierSet) -> ImportError:
     return ImportError(f"torch_kl.trl's {what} supports TRL {supported}; TRL {trl.__version__} is installed")
 
 
-if not Version("1.8") <= TRL_VERSION < Version("2"):
+if TRL_VERSION not in SUPPORTED_GKD:
     raise _unsupported("FusedGKDTrainer", SUPPORTED_GKD)
 try:
     from trl.experimental.gkd import GKDTrainer
@@ -104,7 +105,7 @@ class FusedGKDTrainer(GKDTrainer):
         return (loss, CausalLMOutputWithPast(loss=loss)) if return_outputs else loss
 
 
-if Version("1.16") <= TRL_VERSION < Version("1.17"):
+if TRL_VERSION in SUPPORTED_DISTILLATION:
     from trl import DistillationTrainer
 
     class FusedDistillationTrainer(DistillationTrainer):
