@@ -50,7 +50,7 @@ def main() -> None:
     keep = torch.ones(rows, dtype=torch.bool, device="cuda")
     weights = rowmath.loss_weights(keep.sum(dtype=torch.float32), loss, V, False, torch)
     stats = phases.stats(zc, tc, None, loss, (16, 128))
-    coefs = rowmath.coefficients(stats, rowmath.grad_scales(keep, weights, loss, torch), None, None, loss, torch)
+    coefs = rowmath.coefficients(stats, rowmath.grad_scales(keep, None, weights, loss, torch), None, None, loss, torch)
 
     def row_phases(tile: tuple[int, int]) -> None:
         phases.stats(zc, tc, None, loss, tile)
@@ -81,7 +81,8 @@ def main() -> None:
     labels = torch.randint(0, V, (rows,), device="cuda")
     ce_stats = phases.stats(zc, None, labels, ce, (16, 128))
     ce_weights = rowmath.loss_weights(keep.sum(dtype=torch.float32), ce, V, False, torch)
-    ce_coefs = rowmath.coefficients(ce_stats, rowmath.grad_scales(keep, ce_weights, ce, torch), None, None, ce, torch)
+    ce_scales = rowmath.grad_scales(keep, None, ce_weights, ce, torch)
+    ce_coefs = rowmath.coefficients(ce_stats, ce_scales, None, None, ce, torch)
 
     def ce_phases() -> None:
         phases.stats(zc, None, labels, ce, (16, 128))

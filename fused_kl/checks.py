@@ -88,6 +88,7 @@ def check_options(
     topk_tail: object = "bin",
     teacher_logit_scale: object = 1.0,
     teacher_softcap: object = None,
+    z_loss_weight: object = 0.0,
     accum_dtype: str | None = None,
     chunk_size: object = None,
     with_teacher: bool = True,
@@ -98,8 +99,8 @@ def check_options(
     if reduction == "none":
         raise ValueError(
             "reduction: 'none' is not supported: the gradient is computed in the forward pass, "
-            "which needs a scalar loss; use 'sum' and divide as you like, or the unfused loss "
-            "for per-row values"
+            "which needs a scalar loss and the rows' weights up front; pass row_weight= to weigh rows "
+            "and return_row_losses=True to get each row's loss beside the scalar"
         )
     reduction = _one_of("reduction", reduction, REDUCTIONS)
     if not _is_int(ignore_index):
@@ -111,7 +112,11 @@ def check_options(
     beta = _number("beta", beta, lambda v: 0 <= v <= 1, "a finite number in [0, 1]")
     weights = [
         _number(n, w, lambda v: v >= 0, "a finite number >= 0")
-        for n, w in (("weight_soft_loss", weight_soft_loss), ("weight_hard_loss", weight_hard_loss))
+        for n, w in (
+            ("weight_soft_loss", weight_soft_loss),
+            ("weight_hard_loss", weight_hard_loss),
+            ("z_loss_weight", z_loss_weight),
+        )
     ]
     label_smoothing = _number("label_smoothing", label_smoothing, lambda v: 0 <= v < 1, "a number in [0, 1)")
     target_format = _one_of("target_format", target_format, TARGET_FORMATS)
@@ -153,6 +158,7 @@ def check_options(
         logit_scale=_positive("logit_scale", logit_scale),
         softcap=_optional_positive("softcap", softcap),
         teacher=teacher if with_teacher else None,
+        z_loss=weights[2],
     )
     run = RunOptions(accum_dtype=accum_dtype, chunk_size=None if chunk_size is None else int(chunk_size))
     return loss, run
@@ -224,8 +230,15 @@ def check_arrays(loss: Loss, arrays: dict[str, ArrayFacts | None], v_total: int 
         _int_array("labels", labels, lead, "x's leading dims")
         _same_device("labels", labels, x)
         _check_labels_hold_ignore_index(labels.dtype, loss.ignore_index)
-    elif loss.hard:
+    elif loss.cross_entropy:
         raise ValueError(f"labels: required ({labels_role(loss)}), got None")
+    row_weight = arrays.get("row_weight")
+    if row_weight is not None:
+        if row_weight.kind != "float":
+            raise TypeError(f"row_weight: expected a floating-point array, got {row_weight.dtype}")
+        if row_weight.shape != lead:
+            raise ValueError(f"row_weight: expected shape {_dims(lead)} (x's leading dims), got {_shape(row_weight)}")
+        _same_device("row_weight", row_weight, x)
     if bias is not None:
         _float_array("bias", bias, x.dtype, "x")
         if bias.shape != (v,):
@@ -354,13 +367,14 @@ def target_values_checked(loss: Loss) -> bool:
 
 def value_summary(
     labels: Any | None, indices: Any | None, ignore_index: int, sort: Callable[[Any], Any], xp: Any,
-    target: Any | None = None, target_format: str = "probs",
+    target: Any | None = None, target_format: str = "probs", row_weight: Any | None = None,
 ) -> list:  # fmt: skip
     """What the value checks read, reduced where the arrays are (``xp``: torch or numpy; ``sort``
     sorts the last axis): the kept labels' min and max (if ``labels``), the top-k indices' min,
     max and whether a row repeats one (if ``indices``), whether ``target`` (where
     :func:`target_values_checked`) has a value of the wrong sign: by its min or max, so no
-    temporary of its size, and NaN passes (it propagates). :func:`check_value_summary` reads it."""
+    temporary of its size, and NaN passes (it propagates); whether a row weight is not a finite
+    number >= 0 (if ``row_weight``). :func:`check_value_summary` reads it."""
     parts = []
     if labels is not None:
         kept = xp.where(labels != ignore_index, labels, 0)
@@ -370,11 +384,13 @@ def value_summary(
         parts += [ordered[:, 0].min(), ordered[:, -1].max(), (ordered[:, 1:] == ordered[:, :-1]).any()]
     if target is not None:
         parts.append(target.min() < 0 if target_format == "probs" else target.max() > 0)
+    if row_weight is not None:
+        parts.append(~((row_weight >= 0) & (row_weight < float("inf"))).all())
     return parts
 
 
 def check_value_summary(
-    values: list[int], loss: Loss, labels: bool, indices: bool, v: int, target: bool = False
+    values: list[int], loss: Loss, labels: bool, indices: bool, v: int, target: bool = False, row_weight: bool = False
 ) -> None:
     """Raise on bad concrete values, from :func:`value_summary`'s parts as ints: every kept label
     (the hard term's or the cross-entropy's) in ``[0, V)``; top-k indices in ``[0, V)`` and
@@ -392,10 +408,16 @@ def check_value_summary(
         if duplicated:
             raise ValueError("target_indices: expected distinct token ids within each row, got a duplicate")
         values = values[3:]
-    if target and values[0]:
-        if loss.teacher.format == "probs":  # type: ignore[union-attr]
+    if target:
+        if values[0] and loss.teacher.format == "probs":  # type: ignore[union-attr]
             raise ValueError("target: expected probabilities >= 0 (target_format='probs'), got a negative one")
-        raise ValueError("target: expected log-probabilities <= 0 (target_format='topk_log_probs'), got one above 0")
+        if values[0]:
+            raise ValueError(
+                "target: expected log-probabilities <= 0 (target_format='topk_log_probs'), got one above 0"
+            )
+        values = values[1:]
+    if row_weight and values[0]:
+        raise ValueError("row_weight: expected finite numbers >= 0, got a negative, infinite or NaN one")
 
 
 def backend_unavailable(backend: str, why: str) -> ValueError:

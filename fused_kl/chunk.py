@@ -25,17 +25,19 @@ class ChunkOps:
     where ``mask[i, j]`` (those positions are distinct within a row; in place in torch),
     returned; ``f32(a)``: ``a`` in float32; ``materialize(z, values)``: both, ``values`` made
     before ``finish`` overwrites ``z`` (JAX: else XLA recomputes them from ``z`` inside the scatter
-    and keeps a copy of ``z`` for it)."""
+    and keeps a copy of ``z`` for it); ``sort(a)``: ``a`` sorted along its last axis."""
 
     xp: Any
     gather: Callable[[Any, Any], Any]
     set_at: Callable[[Any, Any, Any, Any], Any]
     f32: Callable[[Any], Any]
     materialize: Callable[[Any, Any], tuple[Any, Any]]
+    sort: Callable[[Any], Any]
 
 
 def local_labels(y: Any | None, v0: Any, loss: Loss) -> Any | None:
-    """The labels as column indices of this vocabulary slice (the hard term's), else None."""
+    """The hard side's labels (``rowmath.hard_labels``) as column indices of this vocabulary
+    slice, else None."""
     return y - v0 if loss.hard else None
 
 
@@ -49,7 +51,7 @@ def topk_part(
     logits_at: Callable[[Any, Any], Any],
     topk: tuple[Any, Any],
     y: Any | None,
-    scales: tuple[Any, Any],
+    scales: tuple[Any, Any, Any],
     v0: Any,
     v_local: int,
     stats: Any,
@@ -62,7 +64,7 @@ def topk_part(
     row, dense factor K, columns at, dL/dz there, where to write it)``. ``logits_at(at, local)``
     gives the student's raw logits at the columns ``at`` of this vocabulary slice of ``v_local``
     columns, valid where ``local``; ``stats`` are the rows' combined ``Stats``, ``scales`` their
-    ``rowmath.grad_scales``."""
+    ``(c_soft, c_hard, z_scale)`` (``rowmath.grad_scales``, ``rowmath.z_scale``)."""
     xp = ops.xp
     log_p, idx = topk
     local = (idx >= v0) & (idx < v0 + v_local)
@@ -75,7 +77,8 @@ def topk_part(
     # A token id outside the whole vocabulary (only possible under jit / compile, where the
     # values went unchecked) makes its row's loss NaN, as the contract says.
     soft = xp.where(((idx >= 0) & (idx < v_total)).all(-1), soft, float("nan"))
-    return soft, k, at, g_at, local & ((scales[0] != 0) | (scales[1] != 0))[:, None]
+    weighed = (scales[0] != 0) | (scales[1] != 0) | (scales[2] != 0)
+    return soft, k, at, g_at, local & weighed[:, None]
 
 
 def row_phases(
@@ -83,7 +86,8 @@ def row_phases(
     t: Any,
     y: Any | None,
     keep: Any,
-    scales: tuple[Any, Any],
+    row_weight: Any | None,
+    scales: rowmath.RowScales,
     topk: tuple[Any, Any] | None,
     v0: Any,
     v_total: int,
@@ -95,11 +99,12 @@ def row_phases(
     write_grad: bool,
     ops: ChunkOps,
     local_stats: Any | None = None,
-) -> tuple[Any | None, Any]:
-    """``(dL/dz or None, row losses)`` of a chunk of logits ``z``: ``t`` its dense teacher (or
-    None), ``y`` its labels, ``keep`` its kept-row mask and ``scales`` its ``rowmath.grad_scales``
-    (made once per call: per chunk they would be a few more small kernels each), ``topk`` its
-    ``(log-probs, token ids)``;
+) -> tuple[Any | None, Any, Any]:
+    """``(dL/dz or None, the rows' shares of the loss, their own losses)`` of a chunk of logits
+    ``z`` (``rowmath.row_losses``): ``t`` its dense teacher (or None), ``y`` its hard side's labels
+    (``rowmath.hard_labels``), ``keep`` its kept-row mask, ``row_weight`` its rows' weights (or
+    None) and ``scales`` its ``rowmath.grad_scales`` (made once per call: per chunk they would be
+    a few more small kernels each), ``topk`` its ``(log-probs, token ids)``;
     ``local_stats``: the ``stats`` phase's result when the logits GEMM already made it."""
     xp = ops.xp
     y_local = local_labels(y, v0, loss)
@@ -114,8 +119,9 @@ def row_phases(
         soft_sums = rowmath.reverse_sums(stats, loss, xp)
     topk_const = None
     if topk is not None:
+        row_scales = (scales.soft, scales.hard, rowmath.z_scale(stats, scales))
         soft, topk_const, at, g_at, write = topk_part(
-            lambda at, _: ops.gather(z, at), topk, y, scales, v0, z.shape[1], stats, loss, v_total, layout, ops
+            lambda at, _: ops.gather(z, at), topk, y, row_scales, v0, z.shape[1], stats, loss, v_total, layout, ops
         )
     coefs = rowmath.coefficients(stats, scales, soft_sums, topk_const, loss, xp)
     if topk is not None and write_grad:
@@ -130,4 +136,4 @@ def row_phases(
     if topk is not None and write_grad:
         g = ops.set_at(g, at, g_at, write)
     labels_ok = True if y is None else (y >= 0) & (y < v_total)
-    return g, rowmath.row_losses(stats, keep, labels_ok, soft, weights, loss, v_total, xp)
+    return g, *rowmath.row_losses(stats, keep, labels_ok, soft, row_weight, weights, loss, v_total, xp)

@@ -1,4 +1,4 @@
-"""How to run a call: options that change speed and memory, never the value computed, and which
+"""How to run a call: options that change speed and memory, never the value of a valid call, and which
 gradients it makes."""
 
 from __future__ import annotations
@@ -13,10 +13,16 @@ FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 class RunOptions:
     """``accum_dtype``: dtype name ``grad_weight`` is accumulated in (None: the weight's);
     ``chunk_size``: rows per chunk (None: ``fused_kl.plan``'s heuristic). The backend travels
-    beside them, resolved into its framework's ``Backend`` value."""
+    beside them, resolved into its framework's ``Backend`` value.
+
+    ``values_checked``: the labels and top-k token ids were read on the host and checked (eager
+    calls). Otherwise (``jax.jit``, ``torch.compile``, CUDA graph capture) the driver turns a kept
+    row they make invalid into NaN (``fused_kl.rowmath.unchecked_rows``): a few ``[rows]``-sized
+    operations, which a checked call skips."""
 
     accum_dtype: str | None = None
     chunk_size: int | None = None
+    values_checked: bool = False
 
 
 @dataclass(frozen=True)

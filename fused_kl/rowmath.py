@@ -47,22 +47,36 @@ def float16_unscale(scale: Any, xp: Any) -> Any:
 
 
 class LossWeights(NamedTuple):
-    """What a kept row's soft and hard losses are multiplied by in the total (the reduction and
-    the loss weights), and ``unscale``, the float16 storage divisor ``c`` of ``dL/dz`` (None
-    unless float16: no multiply-by-1 pass over the gradients)."""
+    """What a kept row's soft loss, cross-entropy and squared hard log-sum-exp (the z-loss) are
+    multiplied by in the total (the reduction and the loss weights; a row's own weight comes on
+    top), and ``unscale``, the float16 storage divisor ``c`` of ``dL/dz`` (None unless float16:
+    no multiply-by-1 pass over the gradients)."""
 
     soft: Any
     hard: Any
+    z: Any
     unscale: Any
 
 
 def loss_weights(kept: Any, loss: Loss, v_total: int, float16: bool, xp: Any) -> LossWeights:
     """The :class:`LossWeights` of a call whose kept rows number ``kept`` (float32)."""
     soft = reduction_scale(kept, loss.reduction, v_total) * loss.weight_soft
-    hard = reduction_scale(kept, "sum" if loss.reduction == "sum" else "batchmean", v_total) * loss.weight_hard
+    hard_side = reduction_scale(kept, "sum" if loss.reduction == "sum" else "batchmean", v_total)
+    hard, z = hard_side * loss.weight_hard, hard_side * loss.z_loss
     if not float16:
-        return LossWeights(soft, hard, None)
-    return LossWeights(soft, hard, float16_unscale(xp.maximum(soft, hard), xp))
+        return LossWeights(soft, hard, z, None)
+    return LossWeights(soft, hard, z, float16_unscale(xp.maximum(soft, xp.maximum(hard, z)), xp))
+
+
+class RowScales(NamedTuple):
+    """Per row, what ``dL/dz`` as stored multiplies (the reduction, the loss weights, the row's
+    weight and the float16 divisor; 0 on ignored rows): ``soft`` ``dsoft/da``, ``hard`` ``dhard/df``,
+    and ``z`` the z-loss's ``lse_h**2``, whose derivative ``2 lse_h softmax(f)`` needs the row's
+    statistics (:func:`z_scale`)."""
+
+    soft: Any
+    hard: Any
+    z: Any
 
 
 def _shifted(lses: Any, reduce_max: Callable[[Any], Any], xp: Any) -> tuple[Any, Any]:
@@ -118,17 +132,32 @@ def label_logit(z: Any, y: Any, loss: Loss, gather: Callable[[Any, Any], Any], x
     return xp.where(inside, terms.transform(z_y, loss.logit_scale, loss.softcap, xp), 0.0)
 
 
-def grad_scales(keep: Any, weights: LossWeights, loss: Loss, xp: Any) -> tuple[Any, Any]:
-    """``(c_soft, c_hard)`` per row: what ``dsoft/da`` and ``dhard/df`` are multiplied by in
-    ``dL/dz`` as stored (the float16 divisor included); 0 on ignored rows."""
+def grad_scales(keep: Any, row_weight: Any | None, weights: LossWeights, loss: Loss, xp: Any) -> RowScales:
+    """The rows' :class:`RowScales`: the row weights fold in here, so ``dL/dz`` and every gradient
+    made from it carry them exactly."""
     store = 1.0 if weights.unscale is None else 1.0 / weights.unscale
-    soft = xp.where(keep, weights.soft * store / loss.temperature, 0.0)
-    return soft, xp.where(keep, weights.hard * store, 0.0)
+    w = store if row_weight is None else row_weight * store
+    return RowScales(*(xp.where(keep, c * w, 0.0) for c in (weights.soft / loss.temperature, weights.hard, weights.z)))
+
+
+def z_scale(stats: Any, scales: RowScales) -> Any:
+    """The z-loss's factor of ``softmax(f)`` in ``dL/dz``: ``2 c_z lse_h`` (combined ``Stats``)."""
+    return 2.0 * scales.z * stats[:, STATS.lse_hard]
+
+
+def hard_labels(labels: Any | None, keep: Any, loss: Loss, xp: Any) -> Any | None:
+    """The labels the kernels' hard side reads: the labels with the cross-entropy; with the z-loss
+    alone, a label no column holds (-1, on ``keep``'s device), so no label enters; else None."""
+    if not loss.hard:
+        return None
+    if loss.cross_entropy:
+        return labels
+    return xp.zeros_like(keep, dtype=xp.int32) - 1
 
 
 def coefficients(
     stats: Any,
-    scales: tuple[Any, Any],
+    scales: RowScales,
     soft_sums: Any | None,
     topk_const: Any | None,
     loss: Loss,
@@ -145,7 +174,10 @@ def coefficients(
         k = soft_sums[:, MIXTURE_SUMS.student]  # type: ignore[index]
     else:
         k = xp.zeros_like(s.mass) if topk_const is None else topk_const
-    coefs = Coefs(s.lse, s.lse_hard, s.lse_teacher, soft_const=k, soft_scale=scales[0], hard_scale=scales[1])
+    coefs = Coefs(
+        s.lse, s.lse_hard, s.lse_teacher, soft_const=k, soft_scale=scales.soft, hard_scale=scales.hard,
+        z_scale=z_scale(stats, scales),
+    )  # fmt: skip
     return xp.stack(coefs, -1)
 
 
@@ -154,20 +186,29 @@ def row_losses(
     keep: Any,
     labels_ok: Any,
     soft_rows: Any,
+    row_weight: Any | None,
     weights: LossWeights,
     loss: Loss,
     v_total: int,
     xp: Any,
-) -> Any:
-    """Each row's share of the loss: ``w_soft s soft_i + w_hard s_hard hard_i``, 0 if ignored,
-    NaN where a kept label of the hard term lies outside the vocabulary."""
+) -> tuple[Any, Any]:
+    """Each row's ``(share of the loss, own loss)``: the share ``r_i (w_soft s soft_i + s_hard
+    (w_hard ce_i + z lse_i**2))`` with ``r_i`` its weight, the own loss unweighted and unnormalised,
+    ``w_soft soft_i + w_hard ce_i + z lse_i**2``; both 0 if ignored, NaN where a kept label of the
+    cross-entropy lies outside the vocabulary."""
     s = columns(STATS, stats)
-    total = soft_rows * weights.soft if loss.soft else s.lse * 0.0
-    if loss.hard:
+    zero = s.lse * 0.0
+    soft = soft_rows if loss.soft else zero
+    ce = zero
+    if loss.cross_entropy:
         ls = loss.label_smoothing
-        hard = s.lse_hard - (1.0 - ls) * s.label_logit - (ls / v_total) * s.logit_sum
-        total = total + xp.where(labels_ok, hard, float("nan")) * weights.hard
-    return xp.where(keep, total, 0.0)
+        ce = s.lse_hard - (1.0 - ls) * s.label_logit - (ls / v_total) * s.logit_sum
+        ce = xp.where(labels_ok, ce, float("nan"))
+    z_sq = s.lse_hard * s.lse_hard if loss.z_term else zero
+    share = soft * weights.soft + ce * weights.hard + z_sq * weights.z
+    own = soft * loss.weight_soft + ce * loss.weight_hard + z_sq * loss.z_loss
+    share = share if row_weight is None else share * row_weight
+    return xp.where(keep, share, 0.0), xp.where(keep, own, 0.0)
 
 
 def soft_rows(kind: str, soft_sums: Any, beta: float) -> Any:
@@ -182,7 +223,7 @@ def topk(
     t: Any,
     is_label: Any,
     lses: tuple[Any, Any],
-    scales: tuple[Any, Any],
+    scales: tuple[Any, Any, Any],
     loss: Loss,
     v_total: int,
     vocab_sum: Callable[[Any], Any],
@@ -193,7 +234,8 @@ def topk(
     ``z_at`` are the student's raw logits at the row's tokens (valid where ``local``: the token
     lies in this vocabulary slice), ``t`` the teacher's log-probabilities (``-inf``: padding, not
     part of the support ``S``),
-    ``lses`` the rows' ``(lse, lse_hard)``, ``scales`` their :func:`grad_scales`.
+    ``lses`` the rows' ``(lse, lse_hard)``, ``scales`` their ``(c_soft, c_hard, z_scale)``
+    (:func:`grad_scales`, :func:`z_scale`).
     With ``P = sum p`` and ``Q = sum q`` over the tokens, ``dL/da_j = K q_j + (r q_j - p'_j) 1[j in S]``:
 
       bin          K = P - r Q,  r = p_t / q_t  (p_t = max(1 - P, 0), q_t = 1 - Q; r = 0 if q_t <= eps)
@@ -204,7 +246,7 @@ def topk(
     eps = teacher.eps  # type: ignore[union-attr]
     tail = teacher.topk_tail  # type: ignore[union-attr]
     lse, lse_h = lses
-    soft_scale, hard_scale = scales
+    soft_scale, hard_scale, z_factor = scales
     f = terms.transform(z_at, loss.logit_scale, loss.softcap, xp)
     log_q = f / loss.temperature - lse[:, None]
     q = xp.where(local, xp.exp(log_q), 0.0)
@@ -230,6 +272,35 @@ def topk(
         soft = soft + xp.where(p_t > 0, tail_term, 0.0)
     g = soft_scale[:, None] * (k[:, None] * q + xp.where(in_s, r[:, None] * q - p, 0.0))
     if loss.hard:
-        g = g + hard_scale[:, None] * terms.hard_direction(f, lse_h[:, None], is_label, loss, v_total, xp)
+        c_hard, c_z = hard_scale[:, None], z_factor[:, None]
+        g = g + terms.hard_gradient(f, lse_h[:, None], is_label, c_hard, c_z, loss, v_total, xp)
     g = g * terms.slope(z_at, loss.logit_scale, loss.softcap, xp)
     return soft, k, g
+
+
+def unchecked_rows(
+    labels: Any | None, indices: Any | None, keep: Any, loss: Loss, v_total: int, sort: Callable[[Any], Any]
+) -> Any | None:
+    """The kept rows that the eager value check (``fused_kl.checks.check_value_summary``) would
+    have refused, for a call whose values went unchecked (``RunOptions.values_checked``): a label
+    of the cross-entropy outside ``[0, V)``, a top-k token id outside ``[0, V)`` or repeated within
+    its row (``sort`` sorts the last axis; ``[rows, k]`` is small). None when nothing can be wrong.
+    The driver makes those rows' losses and gradient scales NaN (:func:`nan_rows`), so the loss and
+    every gradient the row touches show it."""
+    bad = None
+    if labels is not None and loss.cross_entropy:
+        bad = (labels < 0) | (labels >= v_total)
+    if indices is not None and indices.shape[-1] > 0:
+        ordered = sort(indices)
+        wrong = (ordered[:, 0] < 0) | (ordered[:, -1] >= v_total) | (ordered[:, 1:] == ordered[:, :-1]).any(-1)
+        bad = wrong if bad is None else bad | wrong
+    return None if bad is None else keep & bad
+
+
+def nan_rows(bad: Any | None, rows: Any, xp: Any) -> Any:
+    """``rows`` (a per-row array, or a NamedTuple of them) with NaN at the ``bad`` rows."""
+    if bad is None:
+        return rows
+    if isinstance(rows, tuple):
+        return type(rows)(*(nan_rows(bad, r, xp) for r in rows))
+    return xp.where(bad, float("nan"), rows)

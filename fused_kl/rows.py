@@ -38,6 +38,7 @@ class Coefs(NamedTuple):
     soft_const: Any  # K, the row's constant of dsoft/da (``fused_kl.terms.soft_direction``)
     soft_scale: Any  # c_soft: what dsoft/da is multiplied by in dL/dz (``rowmath.grad_scales``)
     hard_scale: Any  # c_hard: what dhard/df is multiplied by
+    z_scale: Any  # c_z: the z-loss's factor of softmax(f) (``rowmath.z_scale``)
 
 
 class MixtureSums(NamedTuple):

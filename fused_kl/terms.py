@@ -18,9 +18,10 @@ kernel) compute the same expressions. The Triton kernels translate them to ``tl`
       coef     (top-k teachers, no teacher)              K q_j
     hard (temperature 1): lse(f(z)) - (1 - eps_ls) f(z_y) - eps_ls / V sum_j f(z_j)
                           d/df_j = softmax(f(z))_j - (1 - eps_ls) [j = y] - eps_ls / V
-    dL/dz_j = f'(z_j) (c_soft dsoft/da_j + c_hard dhard/df_j)
-with ``c_soft = w_soft s / T`` and ``c_hard = w_hard s_hard`` on kept rows, 0 on ignored ones
-(``fused_kl.rowmath``).
+    z-loss:               lse(f(z))**2,   d/df_j = 2 lse(f(z)) softmax(f(z))_j
+    dL/dz_j = f'(z_j) (c_soft dsoft/da_j + c_hard dhard/df_j + c_z softmax(f(z))_j)
+with ``c_soft = w_soft s / T``, ``c_hard = w_hard s_hard`` and ``c_z = 2 z s_hard lse(f(z))``, times the
+row's weight, on kept rows, 0 on ignored ones (``fused_kl.rowmath``).
 """
 
 from __future__ import annotations
@@ -112,7 +113,9 @@ def soft_direction(kind: str, q: Any, log_q: Any, p: Any, log_p: Any, k: Any, be
     return q * k
 
 
-def hard_direction(f: Any, lse_h: Any, is_label: Any, loss: Loss, v_total: int, xp: Any) -> Any:
-    """``dhard/df``: ``softmax(f) - (1 - eps) [j = y] - eps / V``."""
+def hard_gradient(
+    f: Any, lse_h: Any, is_label: Any, c_hard: Any, c_z: Any, loss: Loss, v_total: int, xp: Any
+) -> Any:
+    """The hard side's part of ``dL/df``: ``c_hard dhard/df + c_z softmax(f)`` (the z-loss's)."""
     ls = loss.label_smoothing
-    return xp.exp(f - lse_h) - xp.where(is_label, 1.0 - ls, 0.0) - ls / v_total
+    return (c_hard + c_z) * xp.exp(f - lse_h) - c_hard * (xp.where(is_label, 1.0 - ls, 0.0) + ls / v_total)

@@ -92,7 +92,7 @@ def finish(
     g = row.soft_scale * terms.soft_direction(loss.kind, q, log_q, p, log_p, row.soft_const, loss.beta, xp)
     if loss.hard:
         is_label = ops.columns(f)[None, :] == y[:, None]  # type: ignore[index]
-        g = g + row.hard_scale * terms.hard_direction(f, row.lse_hard, is_label, loss, v_total, xp)
-    live = (row.soft_scale != 0) | (row.hard_scale != 0)  # ignored rows: exactly 0, never NaN
+        g = g + terms.hard_gradient(f, row.lse_hard, is_label, row.hard_scale, row.z_scale, loss, v_total, xp)
+    live = (row.soft_scale != 0) | (row.hard_scale != 0) | (row.z_scale != 0)  # ignored rows: exactly 0, never NaN
     g = xp.where(live, g * terms.slope(ops.chunk.f32(z), loss.logit_scale, loss.softcap, xp), 0.0)
     return ops.write(z, g), partial

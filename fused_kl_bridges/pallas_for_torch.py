@@ -41,14 +41,15 @@ def to_jax(t: torch.Tensor | None) -> Any:
 
 
 @functools.partial(jax.jit, static_argnames=("loss", "run", "layout", "needs", "backend"))
-def _jitted(x, weight, bias, teacher, labels, loss, run, layout, needs, backend) -> tuple:
+def _jitted(x, weight, bias, teacher, labels, row_weight, loss, run, layout, needs, backend) -> tuple:
     # The module attribute, read when traced: the driver entry a test can watch.
-    return driver.forward(x, weight, bias, teacher, labels, loss, run, layout, needs, backend)
+    return driver.forward(x, weight, bias, teacher, labels, row_weight, loss, run, layout, needs, backend)
 
 
 def torch_through_pallas(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, teacher, labels: torch.Tensor | None, loss: Loss,
-    run: RunOptions, layout: Layout, needs: Needs, backend: Backend, *, ready: Callable[[], None] | None = None,
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, teacher, labels: torch.Tensor | None,
+    row_weight: torch.Tensor | None, loss: Loss, run: RunOptions, layout: Layout, needs: Needs, backend: Backend, *,
+    ready: Callable[[], None] | None = None,
 ) -> tuple:  # fmt: skip
     """``torch_kl``'s compute for backend ``"pallas"``: the same outputs as ``torch_kl.driver.forward``
     (``ready()``, the value check's wait, runs first: JAX's program reads the labels at once)."""
@@ -56,9 +57,9 @@ def torch_through_pallas(
     if ready is not None:
         ready()
     jax_teacher = TeacherArrays(*(to_jax(a) for a in (teacher.target, teacher.weight, teacher.bias, teacher.indices)))
-    value, grad_x, grad_w, grad_b = _jitted(
-        to_jax(x), to_jax(weight), to_jax(bias), jax_teacher, to_jax(labels), loss=loss, run=run, layout=SINGLE,
-        needs=needs, backend=jax_kl.backends.resolve("pallas"),
+    value, rows, grad_x, grad_w, grad_b = _jitted(
+        to_jax(x), to_jax(weight), to_jax(bias), jax_teacher, to_jax(labels), to_jax(row_weight), loss=loss, run=run,
+        layout=SINGLE, needs=needs, backend=jax_kl.backends.resolve("pallas"),
     )  # fmt: skip
     back = torch.from_dlpack
-    return back(value), *(None if g is None else back(g) for g in (grad_x, grad_w, grad_b))
+    return back(value), back(rows), *(None if g is None else back(g) for g in (grad_x, grad_w, grad_b))

@@ -34,15 +34,15 @@ def _torch_stream(ctx: Any, on_gpu: bool):
 
 
 def jax_through_triton(
-    x: jax.Array, weight: jax.Array, bias: jax.Array | None, teacher, labels: jax.Array | None, loss: Loss,
-    run: RunOptions, layout: Layout, needs: Needs, backend: Backend,
+    x: jax.Array, weight: jax.Array, bias: jax.Array | None, teacher, labels: jax.Array | None,
+    row_weight: jax.Array | None, loss: Loss, run: RunOptions, layout: Layout, needs: Needs, backend: Backend,
 ) -> tuple:  # fmt: skip
     """``jax_kl``'s compute for backend ``"triton"``: the same outputs as ``jax_kl.driver.forward``."""
     del layout, backend  # single device: checked at validation; torch's "triton" runs the kernels
     n, h = x.shape
     v = weight.shape[0]
     sds = jax.ShapeDtypeStruct
-    out_types = {"loss": sds((), jnp.float32)}
+    out_types = {"loss": sds((), jnp.float32), "row_losses": sds((n,), jnp.float32)}
     if needs.x:
         out_types["grad_x"] = sds((n, h), x.dtype)
     if needs.weight:
@@ -56,6 +56,7 @@ def jax_through_triton(
         "weight": weight,
         "bias": bias,
         "labels": labels,
+        "row_weight": row_weight,
         "target": teacher.target,
         "weight_t": teacher.weight,
         "bias_t": teacher.bias,
@@ -69,9 +70,12 @@ def jax_through_triton(
             outs = {k: torch.from_dlpack(b) for k, b in out.items()}
             tt = TeacherArrays(t["target"], t["weight_t"], t["bias_t"], t["indices"])
             # The module attribute, read when called: the driver entry a test can watch.
-            driver.forward(t["x"], t["weight"], t["bias"], tt, t["labels"], loss, run, SINGLE, needs, triton, out=outs)
+            driver.forward(
+                t["x"], t["weight"], t["bias"], tt, t["labels"], t["row_weight"], loss, run, SINGLE, needs, triton,
+                out=outs,
+            )  # fmt: skip
 
     # Under jax.vmap, one call per batch element.
     call = buffer_callback(callback, out_types, has_side_effect=False, vmap_method="sequential")
     res = call(*(named[k] for k in names))
-    return res["loss"], res.get("grad_x"), res.get("grad_weight"), res.get("grad_bias")
+    return res["loss"], res["row_losses"], res.get("grad_x"), res.get("grad_weight"), res.get("grad_bias")

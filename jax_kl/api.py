@@ -20,10 +20,21 @@ from .teachers import TeacherArrays
 from .validate import validate, widen_indices
 
 
-def _run(arrays: dict[str, Any], with_teacher: bool, mesh, batch_axis, vocab_axis, options: dict[str, Any]):
+def _run(
+    arrays: dict[str, Any], with_teacher: bool, return_row_losses: bool, mesh, batch_axis, vocab_axis,
+    options: dict[str, Any],
+):  # fmt: skip
+    """The loss, and with ``return_row_losses`` the rows' own losses shaped like the rows."""
+    loss, rows = _loss_and_rows(arrays, with_teacher, mesh, batch_axis, vocab_axis, options)
+    if not return_row_losses:
+        return loss
+    return loss, rows.reshape(jnp.shape(arrays["x"])[:-1])
+
+
+def _loss_and_rows(arrays: dict[str, Any], with_teacher: bool, mesh, batch_axis, vocab_axis, options: dict[str, Any]):
     inside = mesh is None and (batch_axis is not None or vocab_axis is not None)
     shards = vocab_shards_inside(batch_axis, vocab_axis) if inside else 1
-    shapes, loss, run, backend = validate(
+    shapes, loss, run, backend, values = validate(
         arrays, shards, with_teacher=with_teacher, single_device=mesh is None and not inside,
         check_vma=inside and vma_checked(batch_axis, vocab_axis), **options,
     )  # fmt: skip
@@ -50,12 +61,14 @@ def _run(arrays: dict[str, Any], with_teacher: bool, mesh, batch_axis, vocab_axi
     weight = jnp.asarray(arrays["weight"])
     bias = None if arrays.get("bias") is None else jnp.asarray(arrays["bias"])
     labels = rows("labels", None)
+    row_weight = rows("row_weight", None)
+    row_weight = None if row_weight is None else lax.stop_gradient(row_weight.astype(jnp.float32))
     layout = Layout(batch_axis, vocab_axis)
     if mesh is not None:
-        return run_sharded(mesh, layout, x, weight, bias, teacher, labels, loss, run, backend)
+        return run_sharded(mesh, layout, x, weight, bias, teacher, labels, row_weight, loss, run, backend)
     if inside:
-        return run_inside(layout, x, weight, bias, teacher, labels, loss, run, backend)
-    return fused_linear_loss(x, weight, bias, teacher, labels, loss, run, layout, backend)
+        return run_inside(layout, x, weight, bias, teacher, labels, row_weight, loss, run, backend)
+    return fused_linear_loss(x, weight, bias, teacher, labels, row_weight, values, loss, run, layout, backend)
 
 
 def fused_linear_kl_div(
@@ -86,10 +99,13 @@ def fused_linear_kl_div(
     topk_tail: str = "bin",
     teacher_logit_scale: float = 1.0,
     teacher_softcap: float | None = None,
+    row_weight: jax.Array | None = None,
+    return_row_losses: bool = False,
+    z_loss_weight: float = 0.0,
     mesh: jax.sharding.Mesh | None = None,
     batch_axis: str | None = None,
     vocab_axis: str | None = None,
-) -> jax.Array:
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """The distillation loss of the student head ``x @ weight.T (+ bias)`` against a teacher,
     without materialising the ``[N, V]`` logits (docs/contract.md has the full contract).
 
@@ -98,7 +114,9 @@ def fused_linear_kl_div(
     ``vocab_axis`` for several devices: global arrays sharded over ``mesh`` (``x``:
     ``P(batch_axis, None)``, ``weight``: ``P(vocab_axis, None)``), or, without ``mesh``, the
     local blocks inside the caller's own ``shard_map`` over those axis names. The teacher's
-    arrays get a zero gradient (``stop_gradient``). Works under ``jax.jit``, ``jax.grad``,
+    arrays and ``row_weight`` get a zero gradient (``stop_gradient``); ``return_row_losses`` returns
+    ``(loss, row_losses)``, the row losses shaped like the rows (with ``mesh``, sharded like them) and
+    detached. Works under ``jax.jit``, ``jax.grad``,
     ``jax.lax.scan``, ``jax.checkpoint`` and ``jax.vmap``.
     """
     arrays = dict(
@@ -110,6 +128,7 @@ def fused_linear_kl_div(
         teacher_weight=teacher_weight,
         teacher_bias=teacher_bias,
         target_indices=target_indices,
+        row_weight=row_weight,
     )
     options = dict(
         reduction=reduction,
@@ -130,8 +149,9 @@ def fused_linear_kl_div(
         topk_tail=topk_tail,
         teacher_logit_scale=teacher_logit_scale,
         teacher_softcap=teacher_softcap,
+        z_loss_weight=z_loss_weight,
     )
-    return _run(arrays, True, mesh, batch_axis, vocab_axis, options)
+    return _run(arrays, True, return_row_losses, mesh, batch_axis, vocab_axis, options)
 
 
 def fused_linear_cross_entropy(
@@ -148,13 +168,17 @@ def fused_linear_cross_entropy(
     accum_dtype: DTypeLike | None = None,
     chunk_size: int | None = None,
     backend: str | Backend = "auto",
+    row_weight: jax.Array | None = None,
+    return_row_losses: bool = False,
+    z_loss_weight: float = 0.0,
     mesh: jax.sharding.Mesh | None = None,
     batch_axis: str | None = None,
     vocab_axis: str | None = None,
-) -> jax.Array:
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """``torch.nn.functional.cross_entropy`` of the head's logits, fused the same way: no teacher,
-    ``"mean"`` divides by the kept rows as torch does."""
-    arrays = dict(x=x, weight=weight, labels=labels, bias=bias)
+    ``"mean"`` divides by the kept rows as torch does; ``row_weight``, ``return_row_losses`` and
+    ``z_loss_weight`` as :func:`fused_linear_kl_div`'s."""
+    arrays = dict(x=x, weight=weight, labels=labels, bias=bias, row_weight=row_weight)
     options = dict(
         reduction=cross_entropy_reduction(reduction),
         ignore_index=ignore_index,
@@ -166,5 +190,6 @@ def fused_linear_cross_entropy(
         backend=backend,
         weight_hard_loss=1.0,
         weight_soft_loss=0.0,
+        z_loss_weight=z_loss_weight,
     )
-    return _run(arrays, False, mesh, batch_axis, vocab_axis, options)
+    return _run(arrays, False, return_row_losses, mesh, batch_axis, vocab_axis, options)

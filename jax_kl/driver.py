@@ -51,13 +51,15 @@ def forward(
     bias: jax.Array | None,
     teacher: TeacherArrays,
     labels: jax.Array | None,
+    row_weight: jax.Array | None,
     loss: Loss,
     run: RunOptions,
     layout: Layout,
     needs: Needs,
     backend: Backend,
-) -> tuple[jax.Array, jax.Array | None, jax.Array | None, jax.Array | None]:
-    """Loss and the needed gradients of 2-D inputs ``x [N, H]``, ``labels [N]`` and a teacher,
+) -> tuple[jax.Array, jax.Array, jax.Array | None, jax.Array | None, jax.Array | None]:
+    """Loss, the rows' own losses (``rowmath.row_losses``, float32 ``[N]``) and the needed gradients
+    of 2-D inputs ``x [N, H]``, ``labels [N]``, ``row_weight [N]`` (float32, or None) and a teacher,
     with the kernels of ``backend``: the entry a bridge calls, ``torch_kl.driver.forward``'s
     signature. A gradient ``needs`` leaves out is None and never made (a frozen head costs no
     ``grad_weight`` GEMM, through a bridge too).
@@ -70,9 +72,12 @@ def forward(
     keep = jnp.ones(n, bool) if labels is None else labels != loss.ignore_index
     kept = layout.batch_sum(jnp.sum(keep, dtype=jnp.float32))
     weights = rowmath.loss_weights(kept, loss, v_total, x.dtype == jnp.float16, jnp)
-    scales = rowmath.grad_scales(keep, weights, loss, jnp)
+    scales = rowmath.grad_scales(keep, row_weight, weights, loss, jnp)
+    bad = None if run.values_checked else rowmath.unchecked_rows(labels, teacher.indices, keep, loss, v_total, OPS.sort)
+    scales = rowmath.nan_rows(bad, scales, jnp)
+    hard_labels = rowmath.hard_labels(labels, keep, loss, jnp)
     accum = jnp.dtype(run.accum_dtype) if run.accum_dtype else weight.dtype
-    row_losses = []
+    row_losses, own_losses = [], []
     # Each chunk's rows of grad_x are written into one [N, H] buffer, as torch_kl's driver does:
     # products gathered by a concatenation at the end would all live beside its result.
     grad_x = jnp.zeros_like(x) if needs.x else None
@@ -90,12 +95,16 @@ def forward(
         else:
             z = (dot(xc, weight, (1, 1), jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
         t = teachers.dense_chunk(loss, teacher, start, hidden)
-        y = None if labels is None else labels[start:stop]
+        y = None if hard_labels is None else hard_labels[start:stop]
+        rw = None if row_weight is None else row_weight[start:stop]
         topk = None if teacher.indices is None else (teacher.target[start:stop], teacher.indices[start:stop])
         phases = backend.chunk_phases(z, t)
-        g, row_loss = row_phases(z, t, y, keep[start:stop], tuple(s[start:stop] for s in scales), topk, v0, v_total,
-                                 weights, loss, layout, phases, plan.tile, needs.any, OPS)  # fmt: skip
+        g, row_loss, own_loss = row_phases(
+            z, t, y, keep[start:stop], rw, rowmath.RowScales(*(s[start:stop] for s in scales)), topk, v0, v_total,
+            weights, loss, layout, phases, plan.tile, needs.any, OPS,
+        )  # fmt: skip
         row_losses.append(row_loss)
+        own_losses.append(own_loss)
         done = row_loss
         if needs.x:
             grad_x = lax.dynamic_update_slice(grad_x, dot(g, weight, (1, 0), x.dtype), (start, 0))
@@ -106,7 +115,8 @@ def forward(
         if needs.weight or needs.bias:
             done = (grad_w, grad_b)  # grad_x passes the next barrier itself
 
-    total = jnp.sum(jnp.concatenate(row_losses)) if row_losses else jnp.float32(0.0)
+    total = jnp.sum(rowmath.nan_rows(bad, jnp.concatenate(row_losses), jnp)) if row_losses else jnp.float32(0.0)
+    rows = rowmath.nan_rows(bad, jnp.concatenate(own_losses), jnp) if own_losses else jnp.zeros((0,), jnp.float32)
     if not plan.bounds:  # no rows
         grad_w = jnp.zeros((v, h), accum) if needs.weight else None
         grad_b = jnp.zeros((v,), jnp.float32) if needs.bias else None
@@ -122,7 +132,7 @@ def forward(
             grad_x = layout.vocab_sum(grad_x)
     grad_w = None if grad_w is None else unscaled(grad_w, weight.dtype)
     grad_b = None if grad_b is None else unscaled(grad_b, bias.dtype)  # type: ignore[union-attr]
-    return total, grad_x, grad_w, grad_b
+    return total, rows, grad_x, grad_w, grad_b
 
 
 def _hidden_rows(loss: Loss, teacher: TeacherArrays, start: int, stop: int) -> jax.Array | None:

@@ -34,10 +34,10 @@ from jax import lax
 from jax import shard_map as _shard_map
 from jax.sharding import PartitionSpec as P
 
-from fused_kl.loss import Loss
+from fused_kl.loss import NO_VALUES, Loss
 from fused_kl.options import Needs, RunOptions
 
-from .autograd import fused_linear_loss, needs_and_values, scale_grad
+from .autograd import fused_linear_loss, loss_cotangent, needs_and_values, scale_grad
 from .backends import Backend, Compute
 from .layout import Layout
 from .teachers import TeacherArrays
@@ -96,6 +96,7 @@ def _sharded(
     bias,
     teacher,
     labels,
+    row_weight,
     loss: Loss,
     run: RunOptions,
     layout: Layout,
@@ -109,26 +110,29 @@ def _sharded(
         None if bias is None else P(v),
         _teacher_specs(loss, teacher, b, v),
         None if labels is None else P(b),
+        None if row_weight is None else P(b),
     )
 
-    def local(x, weight, bias, teacher, labels):
-        value, gx, gw, gb = inner(x, weight, bias, teacher, labels, loss, run, layout, needs, backend)
+    def local(x, weight, bias, teacher, labels, row_weight):
+        value, rows, gx, gw, gb = inner(x, weight, bias, teacher, labels, row_weight, loss, run, layout, needs, backend)
         if b is not None:
             value = lax.psum(value, b)
             gw = None if gw is None else lax.psum(gw, b)
             gb = None if gb is None else lax.psum(gb, b)
-        return value, gx, gw, gb
+        return value, rows, gx, gw, gb
 
     grads_specs = (P(b, None) if needs.x else None, P(v, None) if needs.weight else None, P(v) if needs.bias else None)
-    out_specs = (P(), *grads_specs)
+    out_specs = (P(), P(b), *grads_specs)  # every vocabulary shard holds its rows' whole row losses
     return _shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(
-        x, weight, bias, teacher, labels
+        x, weight, bias, teacher, labels, row_weight
     )
 
 
-def run_sharded(mesh, layout: Layout, x, weight, bias, teacher, labels, loss: Loss, run: RunOptions, backend: Backend):
-    """The loss of global arrays on ``mesh``, under ``custom_vjp``: the backend's compute run
-    inside one ``shard_map``."""
+def run_sharded(
+    mesh, layout: Layout, x, weight, bias, teacher, labels, row_weight, loss: Loss, run: RunOptions, backend: Backend
+):
+    """``(loss, row losses)`` of global arrays on ``mesh``, under ``custom_vjp``: the backend's
+    compute run inside one ``shard_map``."""
     _distinct(layout.batch_axis, layout.vocab_axis)
     sizes = {}
     for name, axis in (("batch_axis", layout.batch_axis), ("vocab_axis", layout.vocab_axis)):
@@ -146,7 +150,7 @@ def run_sharded(mesh, layout: Layout, x, weight, bias, teacher, labels, loss: Lo
                 f"{getattr(layout, axis)!r}"
             )
     sharded = dataclasses.replace(backend, compute=functools.partial(_sharded, mesh, backend.compute))
-    return fused_linear_loss(x, weight, bias, teacher, labels, loss, run, layout, sharded)
+    return fused_linear_loss(x, weight, bias, teacher, labels, row_weight, NO_VALUES, loss, run, layout, sharded)
 
 
 # -- inside the caller's shard_map ------------------------------------------------------------
@@ -158,32 +162,37 @@ def vma_checked(batch_axis, vocab_axis) -> bool:
     return any(a in _varying(lax.axis_index(a)) for a in _names(batch_axis) + _names(vocab_axis))
 
 
-def run_inside(layout: Layout, x, weight, bias, teacher, labels, loss: Loss, run: RunOptions, backend: Backend):
-    """The global loss from this device's blocks, inside the caller's ``shard_map``."""
+def run_inside(
+    layout: Layout, x, weight, bias, teacher, labels, row_weight, loss: Loss, run: RunOptions, backend: Backend
+):
+    """``(the global loss, this device's rows' losses)`` from this device's blocks, inside the
+    caller's ``shard_map``."""
     axes = _names(layout.batch_axis) + _names(layout.vocab_axis)
     checked = vma_checked(layout.batch_axis, layout.vocab_axis)
     inputs = tuple(None if a is None else _varying(a) for a in (x, weight, bias))
     local = dataclasses.replace(layout, sum_grad_x=False)
-    return _inside(x, weight, bias, teacher, labels, loss, run, local, backend, (checked, axes, inputs))
+    return _inside(x, weight, bias, teacher, labels, row_weight, loss, run, local, backend, (checked, axes, inputs))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
-def _inside(x, weight, bias, teacher, labels, loss, run, layout: Layout, backend: Backend, how):
-    return layout.batch_sum(backend.compute(x, weight, bias, teacher, labels, loss, run, layout, Needs(), backend)[0])
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
+def _inside(x, weight, bias, teacher, labels, row_weight, loss, run, layout: Layout, backend: Backend, how):
+    value, rows, *_ = backend.compute(x, weight, bias, teacher, labels, row_weight, loss, run, layout, Needs(), backend)
+    return layout.batch_sum(value), rows
 
 
-def _inside_forward(x, weight, bias, teacher, labels, loss, run, layout, backend, how):
-    needs, arrays = needs_and_values(x, weight, bias, teacher, labels, backend)
-    value, grad_x, grad_w, grad_b = backend.compute(*arrays, loss, run, layout, needs, backend)
-    return layout.batch_sum(value), (grad_x, grad_w, grad_b)
+def _inside_forward(x, weight, bias, teacher, labels, row_weight, loss, run, layout, backend, how):
+    needs, arrays = needs_and_values(x, weight, bias, teacher, labels, row_weight, backend)
+    value, rows, grad_x, grad_w, grad_b = backend.compute(*arrays, loss, run, layout, needs, backend)
+    return (layout.batch_sum(value), rows), (grad_x, grad_w, grad_b)
 
 
-def _inside_backward(loss, run, layout, backend, how, res, ct):
+def _inside_backward(loss, run, layout, backend, how, res, cts):
     del loss, run, layout, backend
     checked, axes, inputs = how
+    ct = loss_cotangent(cts)
     if not checked:
         ct = lax.psum(ct, axes)
-        return (*(scale_grad(g, ct) for g in res), None, None)
+        return (*(scale_grad(g, ct) for g in res), None, None, None)
     grads = []
     for grad, varying in zip(res, inputs, strict=True):
         if grad is not None:
@@ -193,7 +202,7 @@ def _inside_backward(loss, run, layout, backend, how, res, ct):
             if missing := tuple(sorted(varying - _varying(grad))):
                 grad = lax.pcast(grad, missing, to="varying")
         grads.append(grad)
-    return (*grads, None, None)
+    return (*grads, None, None, None)
 
 
 _inside.defvjp(_inside_forward, _inside_backward, symbolic_zeros=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,7 +19,7 @@ from fused_kl.checks import (
     value_summary,
     widened_index_dtype,
 )
-from fused_kl.loss import Loss
+from fused_kl.loss import VALUE_ARGUMENTS, Loss
 from fused_kl.options import RunOptions
 
 from . import backends
@@ -50,11 +52,14 @@ def _concrete(a: object) -> bool:
     return a is not None and not isinstance(a, jax.core.Tracer)
 
 
-def check_values(loss: Loss, labels: object, indices: object, v_total: int, target: object = None) -> None:
-    """Value checks of labels (hard term), top-k indices and the teacher's sign
+def check_values(
+    loss: Loss, labels: object, indices: object, v_total: int, target: object = None, row_weight: object = None
+) -> None:
+    """Value checks of labels (hard term), top-k indices, row weights and the teacher's sign
     (``fused_kl.checks.target_values_checked``) where the values are concrete (outside ``jit``);
     under ``jit`` a bad row's loss is NaN instead, and the teacher's values are not checked."""
-    check_labels = bool(loss.hard and _concrete(labels) and np.size(labels))
+    check_labels = bool(loss.cross_entropy and _concrete(labels) and np.size(labels))
+    check_weights = bool(_concrete(row_weight) and np.size(row_weight))
     check_indices = bool(_concrete(indices) and np.size(indices))
     check_target = bool(target_values_checked(loss) and _concrete(target) and np.size(target))
     parts = value_summary(
@@ -65,8 +70,60 @@ def check_values(loss: Loss, labels: object, indices: object, v_total: int, targ
         np,
         np.asarray(target) if check_target else None,
         loss.teacher.format if check_target else "probs",  # type: ignore[union-attr]
+        np.asarray(row_weight) if check_weights else None,
     )
-    check_value_summary([int(p) for p in parts], loss, check_labels, check_indices, v_total, check_target)
+    check_value_summary(
+        [int(p) for p in parts], loss, check_labels, check_indices, v_total, check_target, check_weights
+    )  # fmt: skip
+
+
+# What stands in the static ``Loss`` for a traced value: the general case of every static decision
+# it takes part in (``fused_kl.loss``: a traced beta is the JSD kind, a traced weight keeps its term)
+# and a value every check passes; the traced value replaces it where the call runs.
+_STAND_INS = dict(
+    temperature=2.0, teacher_temperature=2.0, beta=0.5, weight_soft_loss=1.0, weight_hard_loss=1.0,
+    label_smoothing=0.5, z_loss_weight=1.0,
+)  # fmt: skip
+
+
+def split_values(options: dict[str, object]) -> tuple[dict[str, object], tuple]:
+    """``(options, values)``: the hyperparameter values (``fused_kl.loss.VALUE_ARGUMENTS``) given as
+    0-d arrays, concrete ones as floats (checked as floats) and traced ones (under ``jax.jit``) as
+    stand-ins; ``values`` holds, per argument, the traced value in float32 under ``stop_gradient``
+    (a runtime value: no gradient flows to it, and its range is not checked), else None."""
+    options, values = dict(options), []
+    for name in VALUE_ARGUMENTS:
+        value, traced = options.get(name), None
+        if isinstance(value, (jax.Array, np.ndarray)):
+            if np.ndim(value) != 0 or not jnp.issubdtype(value.dtype, jnp.floating):
+                raise TypeError(f"{name}: expected a float or a 0-d float array, got {value.dtype} of shape "
+                                f"{list(np.shape(value))}")  # fmt: skip
+            if isinstance(value, jax.core.Tracer):
+                if name in ("beta", "teacher_temperature") and options.get("target_format") == "topk_log_probs":
+                    raise ValueError(f"{name}: a traced value is not supported with target_format='topk_log_probs'")
+                traced = jax.lax.stop_gradient(value.astype(jnp.float32))
+                options[name] = _STAND_INS[name]
+            else:
+                options[name] = float(value)
+        values.append(traced)
+    if options.get("teacher_temperature") is None:  # the teacher's temperature is the student's
+        values[VALUE_ARGUMENTS.index("teacher_temperature")] = values[VALUE_ARGUMENTS.index("temperature")]
+    return options, tuple(values)
+
+
+def _check_traced(values: tuple, backend: Backend, single_device: bool) -> None:
+    """A traced value runs on the plain-JAX backend of one device: the Pallas kernels and the Triton
+    bridge take the hyperparameters as constants of their kernels."""
+    for name, value in zip(VALUE_ARGUMENTS, values, strict=True):
+        if value is None:
+            continue
+        if backend.name != "xla":
+            raise ValueError(
+                f"{name}: a traced value (under jax.jit) needs backend='xla'; backend {backend.name!r} compiles the "
+                "hyperparameters into its kernels: pass a Python float (one compilation per value)"
+            )
+        if not single_device:
+            raise ValueError(f"{name}: a traced value needs a single-device call (no mesh, batch_axis or vocab_axis)")
 
 
 def widen_indices(arrays: dict[str, object]) -> dict[str, object]:
@@ -90,9 +147,10 @@ def validate(
     single_device: bool = True,
     check_vma: bool = False,
     **options: object,
-) -> tuple[Shapes, Loss, RunOptions, Backend]:
-    """Check every argument; return the problem's sizes, the loss, the run options and the
-    backend resolved (``backends.resolve``: the value everything after runs). ``vocab_shards``
+) -> tuple[Shapes, Loss, RunOptions, Backend, tuple]:
+    """Check every argument; return the problem's sizes, the loss, the run options, the
+    backend resolved (``backends.resolve``: the value everything after runs) and the traced
+    hyperparameter values (:func:`split_values`; the loss holds stand-ins for them). ``vocab_shards``
     is the number of vocabulary slices ``weight`` is one of; ``check_vma``: the call runs inside
     a ``shard_map`` that checks varying axes."""
     if accum_dtype is not None:
@@ -102,9 +160,11 @@ def validate(
             raise TypeError(
                 f"accum_dtype: expected None or a dtype, got {type(accum_dtype).__name__} {accum_dtype!r}"
             ) from None
+    options, values = split_values(options)
     backend = options.pop("backend")
     loss, run = check_options(**options, accum_dtype=accum_dtype, with_teacher=with_teacher)  # type: ignore[arg-type]
     chosen = backends.resolve(backend, check_vma=check_vma)
+    _check_traced(values, chosen, single_device)
     weight = arrays.get("weight")
     v_total = weight.shape[0] * vocab_shards if hasattr(weight, "shape") and len(weight.shape) == 2 else None
     shapes = check_array_args(facts, loss, v_total, **arrays)
@@ -117,5 +177,6 @@ def validate(
         # Else the comparison with the labels overflows inside the jitted program.
         check_int32_ignore_index(loss.ignore_index, "JAX's labels are int32 without jax_enable_x64")
     check_values(loss, arrays.get("labels"), arrays.get("target_indices"), shapes.v * vocab_shards,
-                 arrays.get("target"))  # fmt: skip
-    return shapes, loss, run, chosen
+                 arrays.get("target"), arrays.get("row_weight"))  # fmt: skip
+    checked = not any(isinstance(arrays.get(k), jax.core.Tracer) for k in ("labels", "target_indices"))
+    return shapes, loss, dataclasses.replace(run, values_checked=checked), chosen, values

@@ -44,7 +44,7 @@ def _spy(monkeypatch: pytest.MonkeyPatch, module, seen: list) -> None:
     real = module.forward
 
     def forward(*args, **kwargs):
-        seen.append((args[8], sorted(kwargs.get("out") or ())))
+        seen.append((args[9], sorted(kwargs.get("out") or ())))
         return real(*args, **kwargs)
 
     monkeypatch.setattr(module, "forward", forward)
@@ -84,7 +84,8 @@ def test_triton_bridge_asks_torch_for_the_gradients_jax_needs(monkeypatch: pytes
     got = grads("triton")
 
     wanted = Needs(x=True, weight=not frozen)
-    assert seen == [(wanted, ["grad_x", "loss"] if frozen else ["grad_weight", "grad_x", "loss"])]
+    outputs = ["grad_x", "loss", "row_losses"] if frozen else ["grad_weight", "grad_x", "loss", "row_losses"]
+    assert seen == [(wanted, outputs)]
     want_x, got_x = (want, got) if frozen else (want[0], got[0])
     np.testing.assert_allclose(np.asarray(got_x), np.asarray(want_x), rtol=1e-5, atol=1e-6)
 
@@ -94,11 +95,11 @@ def test_jax_driver_makes_no_grad_weight_for_a_frozen_head() -> None:
     x, w, target, _ = _problem(2)
     loss = Loss(teacher=Teacher("probs", 1.0))
     outs = jax_kl.driver.forward(
-        jnp.asarray(x), jnp.asarray(w), None, TeacherArrays(jnp.asarray(target)), None, loss, RunOptions(), SINGLE,
-        Needs(x=True), resolve("xla"),
+        jnp.asarray(x), jnp.asarray(w), None, TeacherArrays(jnp.asarray(target)), None, None, loss, RunOptions(),
+        SINGLE, Needs(x=True), resolve("xla"),
     )  # fmt: skip
-    assert outs[1] is not None and outs[1].shape == (N, H)
-    assert outs[2] is None and outs[3] is None
+    assert outs[2] is not None and outs[2].shape == (N, H)
+    assert outs[3] is None and outs[4] is None
 
 
 def _loaded_after_importing(package: str, other: str) -> list[str]:

@@ -19,8 +19,8 @@ from torch_kl.layout import Layout
 # them without a value here fails test_every_field_has_a_value_to_cross.
 TEACHER = dict(format="logits", temperature=1.5, logit_scale=0.75, softcap=12.0, topk_tail="drop", eps=1e-6)
 LOSS = dict(reduction="sum", ignore_index=7, temperature=2.5, beta=0.25, weight_soft=0.625, weight_hard=0.375,
-            label_smoothing=0.125, logit_scale=1.25, softcap=30.0, teacher=Teacher(**TEACHER))
-RUN = dict(accum_dtype="float32", chunk_size=3)
+            label_smoothing=0.125, logit_scale=1.25, softcap=30.0, teacher=Teacher(**TEACHER), z_loss=0.0625)
+RUN = dict(accum_dtype="float32", chunk_size=3, values_checked=True)
 
 
 @pytest.mark.parametrize(("cls", "values"), [(Teacher, TEACHER), (Loss, LOSS), (RunOptions, RUN)])
@@ -45,6 +45,6 @@ def test_every_field_has_a_value_to_cross(cls, values: dict) -> None:
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_the_op_decodes_what_it_was_given(loss: Loss, run: RunOptions, backend: str) -> None:
     resolved = backends.resolve(backend, torch.device("cpu"))
-    floats, ints, joined = _encode(loss, run, Layout(), resolved)
-    assert all(type(f) is float for f in floats) and all(type(i) is int for i in ints)
-    assert _decode(floats, ints, joined) == (loss, run, Layout(), resolved)
+    values, floats, ints, joined = _encode(loss, run, Layout(), resolved)
+    assert all(type(f) is float for f in values + floats) and all(type(i) is int for i in ints)
+    assert _decode(values, floats, ints, joined) == (loss, run, Layout(), resolved)

@@ -255,7 +255,8 @@ def test_the_topk_kernel_is_the_shared_topk_part(tail, temperature, hard, scale)
     assert (z[::4, FLUSHED] == 0).all()  # the dot product's path runs
     stats = make_stats(y if hard else None)
     weights = rowmath.loss_weights(keep.sum(dtype=torch.float32), loss, v, False, torch)
-    scales = rowmath.grad_scales(keep, weights, loss, torch)
+    scales = rowmath.grad_scales(keep, None, weights, loss, torch)
+    scales = (scales.soft, scales.hard, rowmath.z_scale(stats, scales))
     want = topk_part(lambda at, inside: triton_factored.logits_at(z, tiles, at, inside, x, w, loss), (t, idx),
                      y if hard else None, scales, 0, v, stats, loss, v, Layout(), OPS)  # fmt: skip
     got = triton_topk.topk_part(z, tiles, (t, idx), y if hard else None, stats, scales, x, w, loss)

@@ -27,7 +27,19 @@ def _autocast(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
     return x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
 
 
-def _run(arrays: dict[str, Any], layout: Layout, with_teacher: bool, options: dict[str, Any]) -> torch.Tensor:
+def _run(
+    arrays: dict[str, Any], layout: Layout, with_teacher: bool, return_row_losses: bool, options: dict[str, Any]
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The loss, and with ``return_row_losses`` the rows' own losses shaped like the rows."""
+    loss, rows = _loss_and_rows(arrays, layout, with_teacher, options)
+    if not return_row_losses:
+        return loss
+    return loss, rows.reshape(arrays["x"].shape[:-1])
+
+
+def _loss_and_rows(
+    arrays: dict[str, Any], layout: Layout, with_teacher: bool, options: dict[str, Any]
+) -> tuple[torch.Tensor, torch.Tensor]:
     shapes, loss, run, backend, wait = validate(arrays, layout, with_teacher=with_teacher, **options)
     arrays = widen_indices(arrays)  # after the checks, which see the caller's dtypes
     x, weight, bias = _autocast(arrays["x"], arrays["weight"], arrays["bias"])
@@ -39,6 +51,8 @@ def _run(arrays: dict[str, Any], layout: Layout, with_teacher: bool, options: di
     idx2 = None if idx is None else idx.reshape(n, shapes.t)
     labels = arrays.get("labels")
     labels1 = None if labels is None else labels.reshape(n)
+    row_weight = arrays.get("row_weight")
+    row_weight1 = None if row_weight is None else row_weight.detach().reshape(n).to(torch.float32)
     tw, tb = arrays.get("teacher_weight"), arrays.get("teacher_bias")
     tw, tb = (None if a is None else a.detach() for a in (tw, tb))
     # ``wait``: the eager value check, waited for once the first GEMMs are queued.
@@ -47,12 +61,14 @@ def _run(arrays: dict[str, Any], layout: Layout, with_teacher: bool, options: di
         teacher = TeacherArrays(target2, tw, tb, idx2)
         if torch.compiler.is_compiling():
             needs = Needs(*(grad_wanted and t is not None and t.requires_grad for t in (x2, weight, bias)))
-            return compiled.apply(x2, weight, bias, teacher, labels1, loss, run, layout, needs, backend)
+            return compiled.apply(x2, weight, bias, teacher, labels1, row_weight1, loss, run, layout, needs, backend)
         if not grad_wanted:
-            value = backend.compute(x2, weight, bias, teacher, labels1, loss, run, layout, Needs(), backend, ready=wait)
-            return value[0]
+            value, rows, *_ = backend.compute(
+                x2, weight, bias, teacher, labels1, row_weight1, loss, run, layout, Needs(), backend, ready=wait
+            )  # fmt: skip
+            return value, rows
         return FusedLinearLossFunction.apply(
-            x2, weight, bias, target2, tw, tb, idx2, labels1, loss, run, layout, backend, wait
+            x2, weight, bias, target2, tw, tb, idx2, labels1, row_weight1, loss, run, layout, backend, wait
         )
 
 
@@ -84,9 +100,12 @@ def fused_linear_kl_div(
     topk_tail: str = "bin",
     teacher_logit_scale: float = 1.0,
     teacher_softcap: float | None = None,
+    row_weight: torch.Tensor | None = None,
+    return_row_losses: bool = False,
+    z_loss_weight: float = 0.0,
     batch_group: Any = None,
     vocab_group: Any = None,
-) -> torch.Tensor:
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The distillation loss of the student head ``x @ weight.T (+ bias)`` against a teacher,
     without materialising the ``[N, V]`` logits (docs/contract.md has the full contract).
 
@@ -101,6 +120,10 @@ def fused_linear_kl_div(
         beta: 0 forward KL, 1 reverse KL, in between the generalized JSD.
         weight_soft_loss, weight_hard_loss, label_smoothing: ``w_soft * soft + w_hard * CE(labels)``.
         logit_scale, softcap: the student's logit transform (Cohere, Gemma-2/3); ``teacher_*`` the teacher's.
+        row_weight: optional float ``[N]`` (``[B, T]``), finite ``>= 0``: each kept row's loss times its weight.
+        return_row_losses: also return each row's loss (float32, shaped like the rows, no gradient):
+            unweighted, unnormalised, 0 on ignored rows.
+        z_loss_weight: adds ``z_loss_weight * lse(f(z))**2`` to each kept row's hard term (PaLM's z-loss).
         reduction, temperature, eps, teacher_temperature: see docs/contract.md.
         accum_dtype, chunk_size, backend: how it runs (never what it computes); ``backend`` a name of
             ``torch_kl.backends.NAMES`` or a value of ``torch_kl.backends.resolve`` (a variant of one
@@ -108,8 +131,9 @@ def fused_linear_kl_div(
         batch_group, vocab_group: ``torch.distributed`` groups for rows or vocabulary sharded.
 
     Returns:
-        The float32 scalar loss (with ``batch_group``: this rank's share). Gradients for ``x``,
-        ``weight`` and ``bias`` are computed in this call and scaled by the upstream gradient.
+        The float32 scalar loss (with ``batch_group``: this rank's share), or ``(loss, row_losses)``
+        with ``return_row_losses``. Gradients for ``x``, ``weight`` and ``bias`` are computed in this
+        call and scaled by the upstream gradient.
     """
     arrays = dict(
         x=x,
@@ -120,6 +144,7 @@ def fused_linear_kl_div(
         teacher_weight=teacher_weight,
         teacher_bias=teacher_bias,
         target_indices=target_indices,
+        row_weight=row_weight,
     )
     options = dict(
         reduction=reduction,
@@ -140,8 +165,9 @@ def fused_linear_kl_div(
         topk_tail=topk_tail,
         teacher_logit_scale=teacher_logit_scale,
         teacher_softcap=teacher_softcap,
+        z_loss_weight=z_loss_weight,
     )
-    return _run(arrays, Layout(batch_group, vocab_group), True, options)
+    return _run(arrays, Layout(batch_group, vocab_group), True, return_row_losses, options)
 
 
 def fused_linear_cross_entropy(
@@ -158,12 +184,16 @@ def fused_linear_cross_entropy(
     accum_dtype: torch.dtype | None = None,
     chunk_size: int | None = None,
     backend: str | Backend = "auto",
+    row_weight: torch.Tensor | None = None,
+    return_row_losses: bool = False,
+    z_loss_weight: float = 0.0,
     batch_group: Any = None,
     vocab_group: Any = None,
-) -> torch.Tensor:
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``torch.nn.functional.cross_entropy`` of the head's logits, fused the same way: no teacher,
-    ``"mean"`` divides by the kept rows as torch does."""
-    arrays = dict(x=x, weight=weight, labels=labels, bias=bias)
+    ``"mean"`` divides by the kept rows as torch does; ``row_weight``, ``return_row_losses`` and
+    ``z_loss_weight`` as :func:`fused_linear_kl_div`'s."""
+    arrays = dict(x=x, weight=weight, labels=labels, bias=bias, row_weight=row_weight)
     options = dict(
         reduction=cross_entropy_reduction(reduction),
         ignore_index=ignore_index,
@@ -175,5 +205,6 @@ def fused_linear_cross_entropy(
         backend=backend,
         weight_hard_loss=1.0,
         weight_soft_loss=0.0,
+        z_loss_weight=z_loss_weight,
     )
-    return _run(arrays, Layout(batch_group, vocab_group), False, options)
+    return _run(arrays, Layout(batch_group, vocab_group), False, return_row_losses, options)

@@ -29,6 +29,7 @@ class FusedLinearLossFunction(torch.autograd.Function):
     ``backend.compute`` runs it (the chunk driver, or the bridge to the Pallas kernels), after
     ``ready()`` where given (the eager value check's wait). Only the gradients whose inputs
     require grad are computed; the teacher's arrays get none.
+    It returns ``(loss, the rows' own losses)``; the row losses carry no gradient.
     Backward multiplies them in place by the upstream gradient (on the GPU, a no-op when it
     is 1), so no second copy of ``grad_weight`` is ever held; as a consequence a graph through
     this function can be backpropagated once.
@@ -45,6 +46,7 @@ class FusedLinearLossFunction(torch.autograd.Function):
         teacher_bias,
         target_indices,
         labels,  # type: ignore[override]
+        row_weight,
         loss: Loss,
         run: RunOptions,
         layout: Layout,
@@ -55,15 +57,17 @@ class FusedLinearLossFunction(torch.autograd.Function):
             x=ctx.needs_input_grad[0], weight=ctx.needs_input_grad[1], bias=bias is not None and ctx.needs_input_grad[2]
         )
         teacher = TeacherArrays(target, teacher_weight, teacher_bias, target_indices)
-        value, grad_x, grad_w, grad_b = backend.compute(
-            x, weight, bias, teacher, labels, loss, run, layout, needs, backend, ready=ready
+        value, rows, grad_x, grad_w, grad_b = backend.compute(
+            x, weight, bias, teacher, labels, row_weight, loss, run, layout, needs, backend, ready=ready
         )
         ctx.grads = (grad_x, grad_w, grad_b)
         ctx.backend = backend
-        return value
+        ctx.mark_non_differentiable(rows)
+        return value, rows
 
     @staticmethod
-    def backward(ctx, grad_loss):  # type: ignore[override]
+    def backward(ctx, grad_loss, grad_rows):  # type: ignore[override]
+        del grad_rows  # the row losses are detached
         if torch.is_grad_enabled():  # backward(create_graph=True): a second derivative is asked for
             raise RuntimeError(
                 "fused linear loss: double backward (create_graph=True, a gradient of the gradient) is not "
@@ -76,4 +80,4 @@ class FusedLinearLossFunction(torch.autograd.Function):
             )
         grad_x, grad_w, grad_b = (None if g is None else _scale_(g, grad_loss, ctx.backend) for g in ctx.grads)
         ctx.grads = None
-        return grad_x, grad_w, grad_b, *([None] * 10)
+        return grad_x, grad_w, grad_b, *([None] * 11)

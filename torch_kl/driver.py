@@ -102,31 +102,32 @@ def _allocate(x, weight, needs: Needs, run: RunOptions, has_chunks: bool, out: d
 
 
 def _factored_chunk(
-    backend: Backend, exp: tuple, z, xc, weight, y, y_local, keep, scales, topk, v0: int, grads: Grads, start: int,
-    weights, loss: Loss, layout, v_total: int,
-) -> torch.Tensor:  # fmt: skip
-    """The rows' losses of a chunk whose logits GEMM wrote ``E`` (``exp``: ``exp_logits``'s
-    ``(stats, tiles)``, ``backend.factored``), and its gradients:
+    backend: Backend, exp: tuple, z, xc, weight, y, y_local, keep, row_weight, scales: rowmath.RowScales, topk,
+    v0: int, grads: Grads, start: int, weights, loss: Loss, layout, v_total: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The rows' ``(shares of the loss, own losses)`` of a chunk whose logits GEMM wrote ``E``
+    (``exp``: ``exp_logits``'s ``(stats, tiles)``, ``backend.factored``), and its gradients:
     ``grad_x = diag(alpha) (E W)``, ``grad_W += E^T (diag(alpha) x)``."""
     factored = backend.factored
     local_stats, tiles = exp
     stats = layout.combine_stats(local_stats(y_local))
-    c_soft, c_hard = scales
-    soft, sparse, q_factor = None, None, c_hard
+    c_soft, c_hard = scales.soft, scales.hard
+    c_z = rowmath.z_scale(stats, scales)  # the z-loss's gradient is a multiple of q: it joins q's factor
+    soft, sparse, q_factor = None, None, c_hard + c_z
     if topk is not None:  # the student's logits at the teacher's tokens come from E
         if backend.factored_topk is not None and layout.vocab_group is None:  # the whole part in one kernel
             soft, k, at, g_at, write = backend.factored_topk(
-                z, tiles, topk, y, stats, (c_soft, c_hard), xc, weight, loss
+                z, tiles, topk, y, stats, (c_soft, c_hard, c_z), xc, weight, loss
             )  # fmt: skip
         else:  # a collective between its sums
             soft, k, at, g_at, write = topk_part(
                 lambda at, inside: factored.logits_at(z, tiles, at, inside, xc, weight, loss),
-                topk, y, scales, v0, z.shape[1], stats, loss, v_total, layout, OPS,
+                topk, y, (c_soft, c_hard, c_z), v0, z.shape[1], stats, loss, v_total, layout, OPS,
             )  # fmt: skip
-        q_factor = c_soft * k + (c_hard if loss.hard else 0.0)
+        q_factor = c_soft * k + (c_hard + c_z if loss.hard else 0.0)
         sparse = (at, g_at, write)
     labels_ok = True if y is None else (y >= 0) & (y < v_total)
-    losses = rowmath.row_losses(stats, keep, labels_ok, soft, weights, loss, v_total, torch)
+    losses = rowmath.row_losses(stats, keep, labels_ok, soft, row_weight, weights, loss, v_total, torch)
     if grads.x is None and grads.weight is None:
         return losses
     alpha = factored.settle(z, tiles, stats, q_factor, c_hard, y_local, loss, sparse, OPS.set_at)
@@ -152,6 +153,7 @@ def forward(
     bias: torch.Tensor | None,
     teacher: TeacherArrays,
     labels: torch.Tensor | None,
+    row_weight: torch.Tensor | None,
     loss: Loss,
     run: RunOptions,
     layout: Layout,
@@ -160,12 +162,13 @@ def forward(
     *,
     out: dict[str, torch.Tensor] | None = None,
     ready: Callable[[], None] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """Loss and the needed gradients of 2-D inputs ``x [N, H]``, ``labels [N]`` and a teacher,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Loss, the rows' own losses (``rowmath.row_losses``, float32 ``[N]``) and the needed gradients
+    of 2-D inputs ``x [N, H]``, ``labels [N]``, ``row_weight [N]`` (float32, or None) and a teacher,
     with the kernels of ``backend``: the entry a bridge calls, ``jax_kl.driver.forward``'s
     signature (and torch's two keywords).
 
-    ``out`` may hold preallocated ``loss``/``grad_x``/``grad_weight``/``grad_bias`` to write into;
+    ``out`` may hold preallocated ``loss``/``row_losses``/``grad_x``/``grad_weight``/``grad_bias`` to write into;
     ``ready()``, if given, runs before any kernel reads ``labels`` or the teacher's token ids (it
     raises on bad values: the eager value check's wait, ``torch_kl.validate.check_values``).
     """
@@ -212,19 +215,27 @@ def forward(
     keep = torch.ones(n, dtype=torch.bool, device=dev) if labels is None else labels != loss.ignore_index
     kept = layout.batch_sum(keep.sum(dtype=torch.float32))
     weights = rowmath.loss_weights(kept, loss, v_total, x.dtype == torch.float16, torch)
-    scales = rowmath.grad_scales(keep, weights, loss, torch)
+    scales = rowmath.grad_scales(keep, row_weight, weights, loss, torch)
+    bad = None if run.values_checked else rowmath.unchecked_rows(labels, teacher.indices, keep, loss, v_total, OPS.sort)
+    scales = rowmath.nan_rows(bad, scales, torch)
+    hard_labels = rowmath.hard_labels(labels, keep, loss, torch)
     grads = _allocate(x, weight, needs, run, bool(plan.bounds), out)
-    row_loss = torch.empty(n, dtype=torch.float32, device=dev)
+    row_loss = torch.empty(n, dtype=torch.float32, device=dev)  # each row's share of the loss
+    own_loss = out.get("row_losses")
+    own_loss = torch.empty(n, dtype=torch.float32, device=dev) if own_loss is None else own_loss
     for start, stop in plan.bounds:
         xc, z = x[start:stop], buf[: stop - start]
         t_first, (exp, stats) = first if start == 0 else (None, logits(start, stop))
-        y = None if labels is None else labels[start:stop]
+        y = None if hard_labels is None else hard_labels[start:stop]
         y_local = local_labels(y, v0, loss)
+        rw = None if row_weight is None else row_weight[start:stop]
         topk = None if teacher.indices is None else (teacher.target[start:stop], teacher.indices[start:stop])
         if exp is not None:
-            row_loss[start:stop] = _factored_chunk(backend, exp, z, xc, weight, y, y_local, keep[start:stop],
-                                                   tuple(s[start:stop] for s in scales), topk, v0, grads, start,
-                                                   weights, loss, layout, v_total)  # fmt: skip
+            row_loss[start:stop], own_loss[start:stop] = _factored_chunk(
+                backend, exp, z, xc, weight, y, y_local, keep[start:stop], rw,
+                rowmath.RowScales(*(s[start:stop] for s in scales)), topk, v0, grads, start, weights, loss, layout,
+                v_total,
+            )  # fmt: skip
             continue
         local_stats = None if stats is None else stats(y_local)
         # One block unless a teacher head: its logits are made a block at a time, each block's
@@ -232,8 +243,9 @@ def forward(
         for a, b in plan.blocks(start, stop):
             at = slice(a - start, b - start)
             t = t_first if a == 0 else teacher_block(a, b)
-            _, row_loss[a:b] = row_phases(
-                z[at], t, None if y is None else y[at], keep[a:b], tuple(s[a:b] for s in scales),
+            _, row_loss[a:b], own_loss[a:b] = row_phases(
+                z[at], t, None if y is None else y[at], keep[a:b], None if rw is None else rw[at],
+                rowmath.RowScales(*(s[a:b] for s in scales)),
                 None if topk is None else (topk[0][at], topk[1][at]),
                 v0, v_total, weights, loss, layout, phases, plan.tile, needs.any, OPS,
                 None if local_stats is None else local_stats[at],
@@ -252,7 +264,10 @@ def forward(
                 grad.mul_(unscale)
     if grads.x is not None and layout.vocab_group is not None:
         grads.x = _cast_into(layout.vocab_sum(grads.x), grads.x, grads.x.dtype)
+    if bad is not None:
+        row_loss.masked_fill_(bad, float("nan"))
+        own_loss.masked_fill_(bad, float("nan"))
     total = _cast_into(row_loss.sum(), out.get("loss"), torch.float32)
     grad_w = None if grads.weight is None else _cast_into(grads.weight, out.get("grad_weight"), weight.dtype)
     grad_b = None if grads.bias is None else _cast_into(grads.bias, out.get("grad_bias"), bias.dtype)  # type: ignore[union-attr]
-    return total, grads.x, grad_w, grad_b
+    return total, own_loss, grads.x, grad_w, grad_b

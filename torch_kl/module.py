@@ -62,7 +62,9 @@ class FusedLinearKLDivLoss(torch.nn.Module):
             temperature=temperature,
             eps=eps,
             accum_dtype=accum_dtype,
-            **_constructor_options(options, fused_linear_kl_div, ("x", "weight", "target", "labels", "bias")),
+            **_constructor_options(
+                options, fused_linear_kl_div, ("x", "weight", "target", "labels", "bias", "row_weight")
+            ),
         )
         _check_values(self.options)
 
@@ -73,9 +75,11 @@ class FusedLinearKLDivLoss(torch.nn.Module):
         target: torch.Tensor,
         labels: torch.Tensor | None = None,
         bias: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """The loss of ``x @ weight.T (+ bias)`` against ``target``; rows labelled ``ignore_index`` skipped."""
-        return fused_linear_kl_div(x, weight, target, labels, bias=bias, **self.options)  # type: ignore[arg-type]
+        row_weight: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The loss of ``x @ weight.T (+ bias)`` against ``target``; rows labelled ``ignore_index``
+        skipped, each kept row's loss times its ``row_weight`` if given."""
+        return fused_linear_kl_div(x, weight, target, labels, bias=bias, row_weight=row_weight, **self.options)  # type: ignore[arg-type]
 
     def extra_repr(self) -> str:
         return ", ".join(f"{k}={v!r}" for k, v in self.options.items())
@@ -87,9 +91,11 @@ class FusedLinearJSDLoss(torch.nn.Module):
 
     ``compiled`` is accepted and ignored (nothing here needs ``torch.compile``); ``chunk_size``
     is honoured; ``return_soft_hard_loss=True`` returns ``(loss, soft, hard)``, each unweighted
-    part reduced over the kept rows. Other keywords of :func:`torch_kl.fused_linear_kl_div` are
-    accepted, except those this module sets (``target_format``, ``reduction``, ``bias``,
-    ``teacher_weight``, ``teacher_bias``, the loss weights), refused with a ``TypeError``.
+    part reduced over the kept rows, detached (for logging; they cost one more pass over the rows that
+    makes no gradient, two with ``weight_hard_loss=0`` or a z-loss). Other keywords of
+    :func:`torch_kl.fused_linear_kl_div` are accepted, except those this module sets (``target_format``,
+    ``reduction``, ``bias``, ``teacher_weight``, ``teacher_bias``, the loss weights), refused with a
+    ``TypeError``.
     """
 
     def __init__(
@@ -118,7 +124,7 @@ class FusedLinearJSDLoss(torch.nn.Module):
             **_constructor_options(
                 options,
                 fused_linear_kl_div,
-                ("target_format", "reduction", "bias", "teacher_weight", "teacher_bias", "labels"),
+                ("target_format", "reduction", "bias", "teacher_weight", "teacher_bias", "labels", "row_weight"),
             ),
         )
         _check_values(dict(self.options, weight_soft_loss=weight_soft_loss, weight_hard_loss=weight_hard_loss))
@@ -132,19 +138,29 @@ class FusedLinearJSDLoss(torch.nn.Module):
         true_labels: torch.Tensor,
         student_bias: torch.Tensor | None = None,
         teacher_bias: torch.Tensor | None = None,
+        row_weight: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        def part(soft: float, hard: float) -> torch.Tensor:
+        def part(soft: float, hard: float, **options: object) -> torch.Tensor:
             return fused_linear_kl_div(
                 student_input, student_weight, teacher_input, true_labels, bias=student_bias,
                 teacher_weight=teacher_weight, teacher_bias=teacher_bias, weight_soft_loss=soft,
-                weight_hard_loss=hard, **self.options,  # type: ignore[arg-type]
+                weight_hard_loss=hard, row_weight=row_weight, **(self.options | options),  # type: ignore[arg-type]
             )  # fmt: skip
 
         soft_w, hard_w = self.weights
+        loss = part(soft_w, hard_w)
         if not self.return_soft_hard_loss:
-            return part(soft_w, hard_w)
-        soft, hard = part(1.0, 0.0), part(0.0, 1.0)
-        return soft_w * soft + hard_w * hard, soft, hard
+            return loss
+        # The parts for logging, without gradients: one pass that makes only a loss (no gradient
+        # GEMMs) gives the soft part, and the hard part follows from the loss; a zero weight or the
+        # z-loss (which belongs to neither part) costs a second such pass.
+        with torch.no_grad():
+            soft = part(1.0, 0.0, z_loss_weight=0.0)
+            if hard_w == 0.0 or self.options.get("z_loss_weight", 0.0) != 0.0:
+                hard = part(0.0, 1.0, z_loss_weight=0.0)
+            else:
+                hard = (loss.detach() - soft_w * soft) / hard_w
+        return loss, soft, hard
 
 
 class FusedLinearCrossEntropyLoss(torch.nn.Module):
@@ -154,11 +170,18 @@ class FusedLinearCrossEntropyLoss(torch.nn.Module):
 
     def __init__(self, **options: object) -> None:
         super().__init__()
-        self.options = _constructor_options(options, fused_linear_cross_entropy, ("x", "weight", "labels", "bias"))
+        self.options = _constructor_options(
+            options, fused_linear_cross_entropy, ("x", "weight", "labels", "bias", "row_weight")
+        )
         reduction = cross_entropy_reduction(self.options.get("reduction", "mean"))
         _check_values(dict(self.options, reduction=reduction, weight_hard_loss=1.0, weight_soft_loss=0.0), False)
 
     def forward(
-        self, x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, bias: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        return fused_linear_cross_entropy(x, weight, labels, bias=bias, **self.options)  # type: ignore[arg-type]
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        row_weight: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return fused_linear_cross_entropy(x, weight, labels, bias=bias, row_weight=row_weight, **self.options)  # type: ignore[arg-type]

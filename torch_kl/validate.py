@@ -3,6 +3,7 @@ indices' values: before any kernel reads them, see :func:`check_values`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 from collections.abc import Callable
 
@@ -19,7 +20,7 @@ from fused_kl.checks import (
     value_summary,
     widened_index_dtype,
 )
-from fused_kl.loss import Loss
+from fused_kl.loss import VALUE_ARGUMENTS, Loss
 from fused_kl.options import RunOptions
 
 from . import backends
@@ -76,9 +77,9 @@ def _concrete() -> bool:
 
 def check_values(
     loss: Loss, labels: torch.Tensor | None, indices: torch.Tensor | None, v_total: int,
-    target: torch.Tensor | None = None,
+    target: torch.Tensor | None = None, row_weight: torch.Tensor | None = None,
 ) -> Callable[[], None] | None:  # fmt: skip
-    """Value checks of labels (hard term), top-k indices and the teacher's sign
+    """Value checks of labels (hard term), top-k indices, row weights and the teacher's sign
     (``fused_kl.checks.target_values_checked``), in eager mode only: under ``torch.compile`` a
     bad row's loss is NaN instead (reading values would break the graph); the teacher's values
     are not checked there.
@@ -90,7 +91,8 @@ def check_values(
     """
     if not _concrete():
         return None
-    check_labels = loss.hard and labels is not None and labels.numel() > 0
+    check_labels = loss.cross_entropy and labels is not None and labels.numel() > 0
+    check_weights = row_weight is not None and row_weight.numel() > 0
     check_indices = indices is not None and indices.numel() > 0
     check_target = target_values_checked(loss) and target is not None and target.numel() > 0
     parts = value_summary(
@@ -101,6 +103,7 @@ def check_values(
         torch,
         target.detach() if check_target else None,  # type: ignore[union-attr]
         loss.teacher.format if check_target else "probs",  # type: ignore[union-attr]
+        row_weight.detach() if check_weights else None,  # type: ignore[union-attr]
     )
     if not parts:
         return None
@@ -116,9 +119,29 @@ def check_values(
     def wait() -> None:
         if done is not None:
             done.synchronize()
-        check_value_summary(summary.tolist(), loss, check_labels, check_indices, v_total, check_target)
+        check_value_summary(summary.tolist(), loss, check_labels, check_indices, v_total, check_target, check_weights)
 
     return wait
+
+
+def _values_as_floats(options: dict[str, object]) -> dict[str, object]:
+    """``options`` with a 0-d tensor given for a hyperparameter value (``fused_kl.loss.VALUE_ARGUMENTS``)
+    read as a float, checked as one. Only where values are concrete: under ``torch.compile`` a float
+    that changes between calls is already a runtime value (``torch_kl.compiled``)."""
+    for name in VALUE_ARGUMENTS:
+        value = options.get(name)
+        if not isinstance(value, torch.Tensor):
+            continue
+        if value.ndim != 0 or not value.dtype.is_floating_point:
+            raise TypeError(f"{name}: expected a float or a 0-d float tensor, got a {value.dtype} tensor of shape "
+                            f"{list(value.shape)}")  # fmt: skip
+        if not _concrete():
+            raise TypeError(
+                f"{name}: a tensor cannot be read while torch.compile traces or a CUDA graph is captured; pass a "
+                "Python float (a float that changes between calls is a value of the compiled graph, not a constant)"
+            )
+        options[name] = float(value.detach())
+    return options
 
 
 def widen_indices(arrays: dict[str, object]) -> dict[str, object]:
@@ -180,7 +203,7 @@ def _validate(
         raise TypeError(
             f"accum_dtype: expected None or a torch.dtype, got {type(accum_dtype).__name__} {accum_dtype!r}"
         )
-    options = dict(options)
+    options = _values_as_floats(dict(options))
     backend = options.pop("backend")
     loss, run = check_options(
         **options, accum_dtype=None if accum_dtype is None else _dtype_name(accum_dtype), with_teacher=with_teacher
@@ -200,6 +223,7 @@ def _validate(
     if chosen.name == "pallas" and arrays.get("labels") is not None:
         check_int32_ignore_index(loss.ignore_index, "backend 'pallas' hands the labels to JAX as int32")
     wait = check_values(
-        loss, arrays.get("labels"), arrays.get("target_indices"), shapes.v * shards, arrays.get("target")  # type: ignore[arg-type]
-    )
-    return shapes, loss, run, chosen, wait
+        loss, arrays.get("labels"), arrays.get("target_indices"), shapes.v * shards, arrays.get("target"),  # type: ignore[arg-type]
+        arrays.get("row_weight"),  # type: ignore[arg-type]
+    )  # fmt: skip
+    return shapes, loss, dataclasses.replace(run, values_checked=_concrete()), chosen, wait

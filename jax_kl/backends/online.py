@@ -163,9 +163,12 @@ def finish_tile(
     if not write_grad:
         return acc, None
     # ignored rows: exactly 0. A float row broadcast, then compared: both lowerings take this form
-    live = row(jnp.abs(coefs.soft_scale) + jnp.abs(coefs.hard_scale)) != 0.0
+    live = row(jnp.abs(coefs.soft_scale) + jnp.abs(coefs.hard_scale) + jnp.abs(coefs.z_scale)) != 0.0
     soft = terms.soft_direction(loss.kind, q, log_q, p, log_p, row(coefs.soft_const), loss.beta, xp)
     g = row(coefs.soft_scale) * soft
     if y is not None:
-        g += row(coefs.hard_scale) * terms.hard_direction(f, row(coefs.lse_hard), cols == row(y), loss, v_total, xp)
+        is_label = cols == row(y)
+        g += terms.hard_gradient(
+            f, row(coefs.lse_hard), is_label, row(coefs.hard_scale), row(coefs.z_scale), loss, v_total, xp
+        )  # fmt: skip
     return acc, jnp.where(live & mask, g * terms.slope(z, loss.logit_scale, loss.softcap, xp), 0.0)

@@ -70,7 +70,7 @@ def problem(fmt: str, *, n=16, h=8, v=24, k=6, ht=6, bias=False, labels=True, se
 
 def specs(p: dict, fmt: str, b, v) -> dict:
     rows = P(b, v) if fmt in DENSE else P(b, None)
-    table = {"x": P(b, None), "weight": P(v, None), "bias": P(v), "target": rows, "labels": P(b),
+    table = {"x": P(b, None), "weight": P(v, None), "bias": P(v), "target": rows, "labels": P(b), "row_weight": P(b),
              "teacher_weight": P(v, None), "teacher_bias": P(v), "target_indices": P(b, None)}  # fmt: skip
     return {k: table[k] for k in p}
 
@@ -164,6 +164,28 @@ CASES["loss_only[bv]"] = layouts_case("probs", dict(bias=True), dict(chunk_size=
 # Pallas does not track varying axes: check_vma=True is refused for it (see "validation").
 CASES["pallas_forward[bv]"] = layouts_case("probs", dict(bias=True), dict(backend="pallas", chunk_size=8), "bv",
                                            ("mesh", "unchecked"))  # fmt: skip
+
+
+def _row_weights() -> None:
+    """Row weights sharded like the rows, in every mode; with ``mesh`` the row losses come back
+    sharded like the rows, each vocabulary shard holding its rows' whole losses."""
+    mesh = _mesh()
+    p = {**problem("logits", bias=True), "row_weight": jnp.asarray(np.random.default_rng(3).uniform(0, 2, 16))}
+    options = dict(beta=0.5, weight_hard_loss=0.5, z_loss_weight=0.1, chunk_size=5)
+    want_loss, want, _ = run("logits", p, options)
+    for mode in MODES:
+        loss, grads, _ = run("logits", p, options, mode, "bv", mesh)
+        close(f"{mode}: loss", loss, want_loss)
+        for k, g in grads.items():
+            close(f"{mode}: grad_{k}", g, want[k])
+    f = loss_fn("logits", {**options, "return_row_losses": True})
+    sp = specs(p, "logits", "b", "v")
+    sharded = {k: jax.device_put(a, NamedSharding(mesh, sp[k])) for k, a in p.items()}
+    rows = jax.jit(lambda a: f(a, mesh=mesh, batch_axis="b", vocab_axis="v")[1])(sharded)
+    close("mesh: row losses", rows, f(p)[1])
+
+
+CASES["row_weights[bv]"] = _row_weights
 
 
 def _auto_as_on_gpu() -> None:

@@ -142,6 +142,39 @@ def _empty_row_shard(rank: int, world: int) -> None:
         assert got["x"].shape[0] == (0 if rank == 0 else 12), got["x"].shape
 
 
+def _with_rows(p: dict, row_weight: torch.Tensor, **layout) -> tuple[float, torch.Tensor, dict]:
+    """Loss, row losses and gradients of a weighted JSD with a hard term and a z-loss."""
+    leaves = {k: p[k].detach().clone().requires_grad_() for k in ("x", "weight", "bias")}
+    rest = {k: a for k, a in p.items() if k not in leaves}
+    loss, rows = torch_kl.fused_linear_kl_div(
+        **rest, **leaves, row_weight=row_weight, return_row_losses=True, target_format="logits", beta=0.5,
+        weight_hard_loss=0.5, z_loss_weight=0.1, chunk_size=4, **layout,
+    )  # fmt: skip
+    loss.backward()
+    return float(loss.detach()), rows, {k: a.grad for k, a in leaves.items()}
+
+
+@case("row_weights_and_row_losses")
+def _row_weights(rank: int, world: int) -> None:
+    """Rows sharded: each rank passes its rows' weights and gets its rows' losses; vocabulary
+    sharded: every rank gets the full rows' losses."""
+    p = problem("logits", bias=True)
+    w = torch.rand(p["x"].shape[0], generator=torch.Generator().manual_seed(3)).to(DEVICE) * 2
+    want_loss, want_rows, want = _with_rows(p, w)
+    mine = slice(0, 5) if rank == 0 else slice(5, None)
+    share, rows, got = _with_rows(rows_of(p, rank, 5, False), w[mine], batch_group=_group())
+    total, head = float(_all_sum(torch.tensor(share, device=DEVICE))), {k: _all_sum(got[k]) for k in ("weight", "bias")}
+    vloss, vrows, vgot = _with_rows(vocab_of(p, rank, world, "logits"), w, vocab_group=_group())
+    check("rows: sum of the ranks' losses", total, want_loss, 2e-5)
+    check("rows: this rank's row losses", rows, want_rows[mine], 2e-5)
+    check("rows: grad_x of this rank's rows", got["x"], want["x"][mine], 2e-5)
+    for k, g in head.items():
+        check(f"rows: summed grad_{k}", g, want[k], 2e-5)
+    check("vocab: loss", vloss, want_loss, 2e-5)
+    check("vocab: row losses", vrows, want_rows, 2e-5)
+    check("vocab: grad_x", vgot["x"], want["x"], 2e-5)
+
+
 @case("compiled")
 def _compiled(rank: int, world: int) -> None:
     """``torch.compile(fullgraph=True)`` with either group gives the eager call's loss and

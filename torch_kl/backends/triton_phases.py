@@ -194,7 +194,8 @@ def _finish_kernel(
     k = tl.load(coef + COEFS.value.soft_const)
     c_soft = tl.load(coef + COEFS.value.soft_scale)
     c_hard = tl.load(coef + COEFS.value.hard_scale)
-    live = (c_soft != 0.0) | (c_hard != 0.0)  # ignored rows: exactly 0, never NaN
+    c_z = tl.load(coef + COEFS.value.z_scale)
+    live = (c_soft != 0.0) | (c_hard != 0.0) | (c_z != 0.0)  # ignored rows: exactly 0, never NaN
     y = -1
     if HARD:
         y = tl.load(y_ptr + r)
@@ -218,7 +219,7 @@ def _finish_kernel(
                 q_hard = q  # at T = 1 the hard term's softmax is the soft term's
                 if HARD_LSE:
                     q_hard = log_softmax(z, lse_h, 1.0, scale, cap, CAPPED)[0]
-                g += c_hard * (q_hard - tl.where(cols == y, keep_label, 0.0) - smooth_per_v)
+                g += (c_hard + c_z) * q_hard - c_hard * (tl.where(cols == y, keep_label, 0.0) + smooth_per_v)
             g = tl.where(live, g * slope(z, scale, cap, CAPPED), 0.0)
             tl.store(z_row + cols, g.to(z_ptr.dtype.element_ty), mask=mask)
     tl.store(out_ptr + r, tl.sum(acc, axis=0))

@@ -27,7 +27,7 @@ from .triton_terms import STATS
 
 @triton.jit
 def _topk_kernel(
-    z_ptr, tile_max_ptr, x_ptr, w_ptr, log_p_ptr, idx_ptr, y_ptr, stats_ptr, c_soft_ptr, c_hard_ptr,
+    z_ptr, tile_max_ptr, x_ptr, w_ptr, log_p_ptr, idx_ptr, y_ptr, stats_ptr, c_soft_ptr, c_hard_ptr, c_z_ptr,
     soft_ptr, k_ptr, g_ptr, at_ptr, write_ptr, rows, V, H, n_top, stats_stride, temperature, scale, eps,
     TAIL: tl.constexpr, HARD: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BH: tl.constexpr,
 ):  # fmt: skip
@@ -63,17 +63,19 @@ def _topk_kernel(
         soft += tl.where(p_t > 0, tail, 0.0)
     c_soft = tl.load(c_soft_ptr + r)
     c_hard = tl.load(c_hard_ptr + r)
+    c_z = tl.load(c_z_ptr + r)
     g = c_soft * (k * q + tl.where(in_s, ratio * q - p, 0.0))
-    if HARD:  # at T = 1: softmax(f) - [j = y]
+    if HARD:  # at T = 1: c_hard (softmax(f) - [j = y]) + c_z softmax(f), the z-loss's
         lse_hard = tl.load(stats_ptr + r * stats_stride + STATS.value.lse_hard)
-        g += c_hard * (tl.exp(a * temperature - lse_hard) - tl.where(idx == tl.load(y_ptr + r), 1.0, 0.0))
+        q_hard = tl.exp(a * temperature - lse_hard)
+        g += (c_hard + c_z) * q_hard - c_hard * tl.where(idx == tl.load(y_ptr + r), 1.0, 0.0)
     # A token id outside the vocabulary (only possible under compile, unchecked) makes the row NaN.
     outside = tl.sum((live & ~local).to(tl.int32), axis=0) > 0
     tl.store(soft_ptr + r, tl.where(outside, float("nan"), soft))
     tl.store(k_ptr + r, k)
     tl.store(g_ptr + r * n_top + i, g * scale, mask=live)
     tl.store(at_ptr + r * n_top + i, at, mask=live)
-    weighed = ((c_soft != 0) | (c_hard != 0)).to(tl.int8)
+    weighed = ((c_soft != 0) | (c_hard != 0) | (c_z != 0)).to(tl.int8)
     tl.store(write_ptr + r * n_top + i, local.to(tl.int8) * weighed, mask=live)
 
 
@@ -83,14 +85,14 @@ def topk_part(
     topk: tuple[torch.Tensor, torch.Tensor],
     y: torch.Tensor | None,
     stats: torch.Tensor,
-    scales: tuple[torch.Tensor, torch.Tensor],
+    scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     x: torch.Tensor,
     weight: torch.Tensor,
     loss: Loss,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`fused_kl.chunk.topk_part`'s ``(soft loss per row, K, columns at, dL/dz there, where
     to write it)`` of a factored chunk whose ``E`` is ``z`` (before ``settle``) and whose whole
-    vocabulary is here; ``stats`` the rows' ``Stats``, ``scales`` their ``(c_soft, c_hard)``."""
+    vocabulary is here; ``stats`` the rows' ``Stats``, ``scales`` their ``(c_soft, c_hard, z_scale)``."""
     log_p, idx = (a.contiguous() for a in topk)
     stats = stats.contiguous()
     (rows, n_top), dev = idx.shape, z.device
@@ -101,10 +103,12 @@ def topk_part(
     teacher = loss.teacher
     assert teacher is not None
     if rows and n_top:
-        c_soft, c_hard = (torch.broadcast_to(torch.as_tensor(c, dtype=torch.float32, device=dev), (rows,)).contiguous()
-                          for c in scales)  # fmt: skip
+        c_soft, c_hard, c_z = (
+            torch.broadcast_to(torch.as_tensor(c, dtype=torch.float32, device=dev), (rows,)).contiguous()
+            for c in scales
+        )
         _topk_kernel[(rows,)](
-            z, tiles.max, x, weight, log_p, idx, idx if y is None else y, stats, c_soft, c_hard, soft, k, g, at,
+            z, tiles.max, x, weight, log_p, idx, idx if y is None else y, stats, c_soft, c_hard, c_z, soft, k, g, at,
             write, rows, z.shape[1], x.shape[1], n_top, stats.stride(0), loss.temperature, loss.logit_scale,
             teacher.eps, TAIL=TOPK_TAILS.index(teacher.topk_tail), HARD=loss.hard, BN=tiles.width,
             BK=max(16, triton.next_power_of_2(n_top)), BH=128,  # masked past n_top; no 1-wide blocks
