@@ -1,7 +1,7 @@
 """The framework-free core shared by ``torch_kl`` and ``jax_kl``.
 
 It holds what must be identical in both frameworks: the loss description (``loss``), the run
-options (``options``), the argument checks and their error messages (``checks``), the chunk plan
+options (``options``), the argument checks and their error messages (``checks``, ``value_checks``), the chunk plan
 (``plan``), the per-row columns the phases hand each other (``rows``), the shared elementwise
 terms (``terms``) and per-row math (``rowmath``), the phase sequence of one chunk (``chunk``),
 the plain backends' whole-row phases (``wholerow``), and the float64 reference

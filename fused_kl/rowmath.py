@@ -281,7 +281,7 @@ def topk(
 def unchecked_rows(
     labels: Any | None, indices: Any | None, keep: Any, loss: Loss, v_total: int, sort: Callable[[Any], Any]
 ) -> Any | None:
-    """The kept rows that the eager value check (``fused_kl.checks.check_value_summary``) would
+    """The kept rows that the eager value check (``fused_kl.value_checks.check_value_summary``) would
     have refused, for a call whose values went unchecked (``RunOptions.values_checked``): a label
     of the cross-entropy outside ``[0, V)``, a top-k token id outside ``[0, V)`` or repeated within
     its row (``sort`` sorts the last axis; ``[rows, k]`` is small). None when nothing can be wrong.

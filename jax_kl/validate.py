@@ -14,13 +14,11 @@ from fused_kl.checks import (
     check_array_args,
     check_int32_ignore_index,
     check_options,
-    check_value_summary,
-    target_values_checked,
-    value_summary,
     widened_index_dtype,
 )
 from fused_kl.loss import VALUE_ARGUMENTS, Loss
 from fused_kl.options import RunOptions
+from fused_kl.value_checks import check_value_summary, target_values_checked, value_summary
 
 from . import backends
 from .backends import Backend
@@ -56,7 +54,7 @@ def check_values(
     loss: Loss, labels: object, indices: object, v_total: int, target: object = None, row_weight: object = None
 ) -> None:
     """Value checks of labels (hard term), top-k indices, row weights and the teacher's sign
-    (``fused_kl.checks.target_values_checked``) where the values are concrete (outside ``jit``);
+    (``fused_kl.value_checks.target_values_checked``) where the values are concrete (outside ``jit``);
     under ``jit`` a bad row's loss is NaN instead, and the teacher's values are not checked."""
     check_labels = bool(loss.cross_entropy and _concrete(labels) and np.size(labels))
     check_weights = bool(_concrete(row_weight) and np.size(row_weight))

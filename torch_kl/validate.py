@@ -15,13 +15,11 @@ from fused_kl.checks import (
     check_array_args,
     check_int32_ignore_index,
     check_options,
-    check_value_summary,
-    target_values_checked,
-    value_summary,
     widened_index_dtype,
 )
 from fused_kl.loss import VALUE_ARGUMENTS, Loss
 from fused_kl.options import RunOptions
+from fused_kl.value_checks import check_value_summary, target_values_checked, value_summary
 
 from . import backends
 from .backends import Backend
@@ -80,7 +78,7 @@ def check_values(
     target: torch.Tensor | None = None, row_weight: torch.Tensor | None = None,
 ) -> Callable[[], None] | None:  # fmt: skip
     """Value checks of labels (hard term), top-k indices, row weights and the teacher's sign
-    (``fused_kl.checks.target_values_checked``), in eager mode only: under ``torch.compile`` a
+    (``fused_kl.value_checks.target_values_checked``), in eager mode only: under ``torch.compile`` a
     bad row's loss is NaN instead (reading values would break the graph); the teacher's values
     are not checked there.
 
