@@ -189,10 +189,10 @@ def test_which_phases_read_the_probabilities(monkeypatch, options, reads) -> Non
 # fused_kl.rowmath.topk takes the student's mass off the teacher's top-k as q_t = 1 - Q (the contract's
 # formula) in float32: once the student puts all but ~1e-6 of its mass on the top-k tokens, q_t is
 # rounding noise, and so are the tail term p_t log(p_t / q_t) and r = p_t / q_t in dL/dz.
-TOPK_TAIL_BUG = "known limitation (docs/contract.md): the 'bin' tail's q_t = 1 - Q cancels in float32"
+TOPK_TAIL_LIMIT = "known limitation (docs/contract.md): the 'bin' tail's q_t = 1 - Q cancels in float32"
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=TOPK_TAIL_BUG)
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=TOPK_TAIL_LIMIT)
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
 def test_topk_bin_tail_of_a_confident_student(backend: str) -> None:
     inp = make_inputs(4, 3, 64, target_format="topk_log_probs", k=5, ignore_frac=None)

@@ -313,7 +313,7 @@ def test_rescale_kernel_multiplies_in_float32(dtype: torch.dtype, g: float) -> N
 def test_torch_compile_fullgraph_gives_the_eager_result() -> None:
     """A training step under ``torch.compile(fullgraph=True)`` (no graph break): the eager loss
     and gradients, with ignored rows, a non-contiguous view of ``x`` and the divergence family's terms; a kept
-    label outside the vocabulary makes the loss NaN there instead of raising (docs/contract.md: compilation)."""
+    label outside the vocabulary makes the loss NaN there instead of raising (docs/contract-devices.md: compilation)."""
     inp = make_inputs(10, 6, 23, target_format="logits", ignore_frac=0.4, bias=True)
     assert (inp.labels == -100).any() and (inp.labels != -100).any()
     x_t = torch.tensor(inp.x.T.copy())  # x is a transposed, non-contiguous view of this
