@@ -118,6 +118,9 @@ def test_every_backend_agrees(case: str) -> None:
     for bridge in BRIDGES:  # the same kernels as the other framework's backend of that name
         framework, name = bridge.split("/")
         native = f"{'jax' if framework == 'torch' else 'torch'}/{name}"
-        assert got[bridge][0] == got[native][0], (bridge, native)
+        # The native JAX call runs under jit, where the labels are traced: its program also holds the
+        # guard that turns rows the eager check would refuse into NaN (a few [rows]-sized ops), so XLA
+        # may add the rows' losses in another order than the bridge's checked program does.
+        assert got[bridge][0] == pytest.approx(got[native][0], rel=1e-6, abs=0), (bridge, native)
         for gb, gn in zip(got[bridge][1:], got[native][1:], strict=True):
             assert (gb is None and gn is None) or np.array_equal(gb, gn), (bridge, native)

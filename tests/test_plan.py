@@ -86,7 +86,7 @@ def test_float16_unscale_is_a_clamped_power_of_two() -> None:
 def test_loss_weights_weigh_the_soft_and_hard_terms(reduction: str) -> None:
     loss = Loss(reduction=reduction, weight_soft=0.5, weight_hard=2.0)
     kept, v = np.float32(4.0), 5
-    soft, hard, unscale = loss_weights(kept, loss, v, False, np)
+    soft, hard, _, unscale = loss_weights(kept, loss, v, False, np)
     s = {"batchmean": 1 / 4, "sum": 1.0, "mean": 1 / 20}[reduction]
     assert float(soft) == pytest.approx(0.5 * s)
     assert float(hard) == pytest.approx(2.0 * (1.0 if reduction == "sum" else 1 / 4))  # the hard term: per row

@@ -17,7 +17,7 @@ from fused_kl import rowmath
 from fused_kl.chunk import local_labels, row_phases, topk_part
 from fused_kl.loss import Loss
 from fused_kl.options import Needs, RunOptions
-from fused_kl.plan import plan_chunks
+from fused_kl.plan import padded_row_stride, plan_chunks
 
 from . import teachers
 from .layout import Layout
@@ -80,6 +80,13 @@ class Grads:
     x: torch.Tensor | None
     weight: torch.Tensor | None
     bias: torch.Tensor | None
+
+
+def chunk_buffer(rows: int, v: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialized ``[rows, v]`` buffer whose rows lie ``padded_row_stride(v)`` elements apart:
+    the first ``v`` columns of a wider buffer (all of it when ``v`` is aligned). Every GEMM and row
+    kernel takes the row stride; none reads the padding."""
+    return torch.empty(rows, padded_row_stride(v), dtype=dtype, device=device)[:, :v]
 
 
 def _allocate(x, weight, needs: Needs, run: RunOptions, has_chunks: bool, out: dict) -> Grads:
@@ -180,8 +187,8 @@ def forward(
     phases = backend.phases
 
     rows = plan.chunk_rows if n else 0
-    buf = torch.empty(rows, v, dtype=x.dtype, device=dev)  # logits, then dL/dz in place
-    t_buf = torch.empty(plan.block_rows, v, dtype=teacher.target.dtype, device=dev) if loss.teacher_head else None
+    buf = chunk_buffer(rows, v, x.dtype, dev)  # logits, then dL/dz in place
+    t_buf = chunk_buffer(plan.block_rows, v, teacher.target.dtype, dev) if loss.teacher_head else None
     fused_logits, factored = backend.fused_logits, backend.factored
 
     def logits(start: int, stop: int) -> tuple:

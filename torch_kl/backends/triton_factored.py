@@ -105,7 +105,7 @@ def _label_logit_kernel(x_ptr, w_ptr, y_ptr, out_ptr, H, V, scale, cap, CAPPED: 
 
 
 @triton.jit
-def _repair_kernel(z_ptr, tile_max_ptr, shift_ptr, flag_ptr, rows, V, BN: tl.constexpr):
+def _repair_kernel(z_ptr, tile_max_ptr, shift_ptr, flag_ptr, rows, V, z_stride, BN: tl.constexpr):
     """Row ``r`` of ``E`` rescaled to the shift ``shift[r]`` where ``flag[r]`` is 1, zeroed where
     it is 2: each column tile holds ``exp(a - its shift) u``, its shift told by its max as in
     :func:`exp_tile`."""
@@ -114,7 +114,7 @@ def _repair_kernel(z_ptr, tile_max_ptr, shift_ptr, flag_ptr, rows, V, BN: tl.con
     if flag != 0:
         s = tl.load(shift_ptr + r)
         kept = tl.where(flag == 2, 0.0, 1.0)
-        row = z_ptr + r.to(tl.int64) * V
+        row = z_ptr + r.to(tl.int64) * z_stride
         for start in range(0, V, BN):
             cols = start + tl.arange(0, BN)
             keep = cols < V
@@ -125,12 +125,12 @@ def _repair_kernel(z_ptr, tile_max_ptr, shift_ptr, flag_ptr, rows, V, BN: tl.con
 
 
 @triton.jit
-def exponents_at(z_ptr, tile_max_ptr, x_ptr, w_ptr, r, at, keep, rows, V, H, x_to_a, BN: tl.constexpr,
-                  BK: tl.constexpr, BH: tl.constexpr):  # fmt: skip
+def exponents_at(z_ptr, z_stride, tile_max_ptr, x_ptr, w_ptr, r, at, keep, rows, H, x_to_a, BN: tl.constexpr,
+                 BK: tl.constexpr, BH: tl.constexpr):  # fmt: skip
     """Row ``r``'s exponents ``a = f(z) / T`` at the columns ``at`` (where ``keep``): ``log E`` plus
     the column tile's shift (``E``'s rounding moves them by at most ``2**-9``), or ``x_to_a (x_r .
     W_j)`` where ``E`` flushed to zero (rare: ``a`` far below the shift)."""
-    e = tl.load(z_ptr + r * V + at, mask=keep, other=1.0).to(tl.float32)
+    e = tl.load(z_ptr + r * z_stride + at, mask=keep, other=1.0).to(tl.float32)
     m = tl.load(tile_max_ptr + (at // BN) * rows + r, mask=keep, other=0.0)
     a = tl.log(e) + tl.where((m >= LO) & (m <= HI), SHIFT, m)
     flushed = keep & (e == 0.0)
@@ -148,7 +148,7 @@ def exponents_at(z_ptr, tile_max_ptr, x_ptr, w_ptr, r, at, keep, rows, V, H, x_t
 
 @triton.jit
 def _logits_at_kernel(
-    z_ptr, tile_max_ptr, at_ptr, inside_ptr, x_ptr, w_ptr, out_ptr, rows, V, H, n_at, t_over_scale,
+    z_ptr, z_stride, tile_max_ptr, at_ptr, inside_ptr, x_ptr, w_ptr, out_ptr, rows, H, n_at, t_over_scale,
     BN: tl.constexpr, BK: tl.constexpr, BH: tl.constexpr,
 ):  # fmt: skip
     """The raw logits ``z[r, at[r, i]] = a T / logit_scale`` where ``inside`` (:func:`exponents_at`)."""
@@ -156,7 +156,7 @@ def _logits_at_kernel(
     i = tl.arange(0, BK)
     keep = (i < n_at) & (tl.load(inside_ptr + r * n_at + i, mask=i < n_at, other=0) != 0)
     at = tl.load(at_ptr + r * n_at + i, mask=keep, other=0)
-    a = exponents_at(z_ptr, tile_max_ptr, x_ptr, w_ptr, r, at, keep, rows, V, H, 1.0 / t_over_scale, BN, BK, BH)
+    a = exponents_at(z_ptr, z_stride, tile_max_ptr, x_ptr, w_ptr, r, at, keep, rows, H, 1.0 / t_over_scale, BN, BK, BH)
     tl.store(out_ptr + r * n_at + i, a * t_over_scale, mask=i < n_at)
 
 
@@ -220,7 +220,7 @@ def logits_at(
     out = torch.empty(rows, n_at, dtype=torch.float32, device=z.device)
     if rows and n_at:
         _logits_at_kernel[(rows,)](
-            z, tiles.max, at.contiguous(), inside.to(torch.int8).contiguous(), x, weight, out, rows, z.shape[1],
+            z, z.stride(0), tiles.max, at.contiguous(), inside.to(torch.int8).contiguous(), x, weight, out, rows,
             x.shape[1], n_at, loss.temperature / loss.logit_scale, BN=tiles.width, BK=triton.next_power_of_2(n_at),
             BH=128,
         )  # fmt: skip
@@ -252,7 +252,7 @@ def settle(
         empty = (q_factor == 0) & (mask & (values != 0)).any(-1)
         flags = torch.where(empty, 2, flags).to(torch.int8)
         dense = torch.where(empty, 1.0, q_factor)
-    _repair_kernel[(rows,)](z, tiles.max, tiles.shift, flags, rows, v, BN=tiles.width)
+    _repair_kernel[(rows,)](z, tiles.max, tiles.shift, flags, rows, v, z.stride(0), BN=tiles.width)
     lse = stats[:, STATS.lse]  # at T: the exponent's; the same as the hard term's where both are used
     alpha = dense * loss.logit_scale * torch.exp(tiles.shift - lse)
     divisor = torch.where(alpha == 0, 1.0, alpha)

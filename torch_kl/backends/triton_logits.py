@@ -89,7 +89,7 @@ def _tile_lse(f, c):
 
 @triton.jit
 def _logits_kernel(
-    x, w, z, bias_ptr, part_ptr, M, V, H, inv_t, scale, cap,
+    x, w, z, bias_ptr, part_ptr, M, V, H, z_stride, inv_t, scale, cap,
     CAPPED: tl.constexpr, SUM_F: tl.constexpr, EXP: tl.constexpr, STATS: tl.constexpr,
     HARD_LSE: tl.constexpr, HAS_BIAS: tl.constexpr, TMA: tl.constexpr, F16: tl.constexpr, UPCAST: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr, NPROG: tl.constexpr,
@@ -133,7 +133,7 @@ def _logits_kernel(
         if TMA:
             z.store([pm * BM, pn * BN], zq)
         else:
-            tl.store(z + rows[:, None].to(tl.int64) * V + cols[None, :], zq,
+            tl.store(z + rows[:, None].to(tl.int64) * z_stride + cols[None, :], zq,
                      mask=(rows[:, None] < M) & valid)  # fmt: skip
         if EXP:
             tl.store(out + EXP_PARTS_AT.value.lse * part_stride, tile_lse, mask=live)
@@ -165,8 +165,10 @@ def _interpreted(device: torch.device) -> bool:
 
 
 def fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, z: torch.Tensor) -> bool:
-    """Whether the fused GEMM takes these operands: half precision, contiguous rows, on Hopper or
-    newer (or in the interpreter), with rows whose bytes TMA can address (multiples of 16)."""
+    """Whether the fused GEMM takes these operands: half precision, contiguous ``x`` and ``weight``,
+    ``z`` with contiguous rows (its row stride may exceed ``V``: ``torch_kl.driver.chunk_buffer``),
+    on Hopper or newer (or in the interpreter), with rows whose bytes TMA can address (multiples
+    of 16)."""
     dev = x.device
     if not (_interpreted(dev) or (dev.type == "cuda" and torch.cuda.get_device_capability(dev) >= (9, 0))):
         return False
@@ -174,9 +176,9 @@ def fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, z: to
         return False
     if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
         return False
-    if not (x.is_contiguous() and weight.is_contiguous() and z.is_contiguous()) or x.shape[0] == 0:
+    if not (x.is_contiguous() and weight.is_contiguous() and z.stride(1) == 1) or x.shape[0] == 0:
         return False
-    return all(n * x.element_size() % 16 == 0 for n in (x.shape[1], weight.shape[0])) and all(
+    return all(n * x.element_size() % 16 == 0 for n in (x.shape[1], z.stride(0))) and all(
         a.data_ptr() % 16 == 0 for a in (x, weight, z)
     )
 
@@ -212,9 +214,9 @@ def launch(
         flags = dict(CAPPED=common["CAPPED"], SUM_F=_sums_f(loss), HARD_LSE=loss.separate_hard_lse)
         parts = torch.empty(PARTS, triton.cdiv(v, bn), m, dtype=torch.float32, device=x.device)
     _logits_kernel[(programs,)](
-        *operands, z if bias is None else bias, parts, m, v, h, *floats, **flags, EXP=exp, STATS=loss is not None,
-        HAS_BIAS=bias is not None, TMA=tma, F16=x.dtype == torch.float16, UPCAST=bf16_interpreted,
-        BM=bm, BN=bn, BK=bk, NPROG=programs, **cfg,
+        *operands, z if bias is None else bias, parts, m, v, h, z.stride(0), *floats, **flags, EXP=exp,
+        STATS=loss is not None, HAS_BIAS=bias is not None, TMA=tma, F16=x.dtype == torch.float16,
+        UPCAST=bf16_interpreted, BM=bm, BN=bn, BK=bk, NPROG=programs, **cfg,
     )  # fmt: skip
     return parts, bn
 

@@ -27,7 +27,7 @@ from .triton_terms import STATS
 
 @triton.jit
 def _topk_kernel(
-    z_ptr, tile_max_ptr, x_ptr, w_ptr, log_p_ptr, idx_ptr, y_ptr, stats_ptr, c_soft_ptr, c_hard_ptr, c_z_ptr,
+    z_ptr, z_stride, tile_max_ptr, x_ptr, w_ptr, log_p_ptr, idx_ptr, y_ptr, stats_ptr, c_soft_ptr, c_hard_ptr, c_z_ptr,
     soft_ptr, k_ptr, g_ptr, at_ptr, write_ptr, rows, V, H, n_top, stats_stride, temperature, scale, eps,
     TAIL: tl.constexpr, HARD: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BH: tl.constexpr,
 ):  # fmt: skip
@@ -37,7 +37,9 @@ def _topk_kernel(
     idx = tl.load(idx_ptr + r * n_top + i, mask=live, other=0)
     local = live & (idx >= 0) & (idx < V)
     at = tl.where(local, idx, 0)
-    a = exponents_at(z_ptr, tile_max_ptr, x_ptr, w_ptr, r, at, local, rows, V, H, scale / temperature, BN, BK, BH)
+    a = exponents_at(
+        z_ptr, z_stride, tile_max_ptr, x_ptr, w_ptr, r, at, local, rows, H, scale / temperature, BN, BK, BH
+    )
     log_q = a - tl.load(stats_ptr + r * stats_stride + STATS.value.lse)
     q = tl.where(local, tl.exp(log_q), 0.0)
     t = tl.load(log_p_ptr + r * n_top + i, mask=live, other=float("-inf")).to(tl.float32)
@@ -108,9 +110,9 @@ def topk_part(
             for c in scales
         )
         _topk_kernel[(rows,)](
-            z, tiles.max, x, weight, log_p, idx, idx if y is None else y, stats, c_soft, c_hard, c_z, soft, k, g, at,
-            write, rows, z.shape[1], x.shape[1], n_top, stats.stride(0), loss.temperature, loss.logit_scale,
-            teacher.eps, TAIL=TOPK_TAILS.index(teacher.topk_tail), HARD=loss.hard, BN=tiles.width,
+            z, z.stride(0), tiles.max, x, weight, log_p, idx, idx if y is None else y, stats, c_soft, c_hard, c_z,
+            soft, k, g, at, write, rows, z.shape[1], x.shape[1], n_top, stats.stride(0), loss.temperature,
+            loss.logit_scale, teacher.eps, TAIL=TOPK_TAILS.index(teacher.topk_tail), HARD=loss.hard, BN=tiles.width,
             BK=max(16, triton.next_power_of_2(n_top)), BH=128,  # masked past n_top; no 1-wide blocks
         )  # fmt: skip
     return soft, k, at, g, write.view(torch.bool)

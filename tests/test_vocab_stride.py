@@ -1,0 +1,161 @@
+"""Any vocabulary size at the GEMMs' aligned rate: a chunk's ``[rows, V]`` logits (and a teacher
+head's block of logits) live in a buffer whose rows are ``fused_kl.plan.padded_row_stride(V)``
+elements apart (``torch_kl.driver.chunk_buffer``). Every kernel of both ``torch_kl`` backends gets
+that row stride at an unaligned ``V``, never writes the padding, and the results match float64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from harness import assert_matches, make_inputs, run
+
+from fused_kl.loss import Loss
+from fused_kl.plan import ROW_STRIDE_MULTIPLE, padded_row_stride
+from torch_kl import teachers
+from torch_kl.backends import torch_phases, triton_factored, triton_logits, triton_phases
+from torch_kl.driver import chunk_buffer
+from torch_kl.teachers import dense_chunk
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize(
+    ("v", "stride"), [(1, 64), (63, 64), (64, 64), (65, 128), (50257, 50304), (128256, 128256), (128257, 128320)]
+)
+def test_padded_row_stride_is_v_rounded_up_to_a_multiple_of_64(v, stride):
+    assert ROW_STRIDE_MULTIPLE == 64
+    assert padded_row_stride(v) == stride
+
+
+def test_the_chunk_buffer_pads_only_an_unaligned_vocabulary():
+    odd = chunk_buffer(5, 67, torch.bfloat16, CPU)
+    assert odd.shape == (5, 67) and odd.stride() == (128, 1) and odd.dtype == torch.bfloat16
+    aligned = chunk_buffer(5, 128, torch.float32, CPU)
+    assert aligned.shape == (5, 128) and aligned.stride() == (128, 1) and aligned.is_contiguous()
+
+
+# (make_inputs keywords, options): every teacher format and loss family at a V that is no multiple
+# of 64, in the dtypes that take each Triton path in the interpreter (bfloat16: the factored chunks
+# and the pointer-path GEMM; float16: the TMA-path GEMM; float32: cuBLAS).
+CASES = {
+    "forward-probs-bf16": (dict(n=20, h=16, v=67, dtype="bfloat16"), dict(chunk_size=8)),
+    "forward-logits-bias": (dict(n=17, h=8, v=131, target_format="logits", bias=True), dict(temperature=2.0)),
+    "jsd-probs-fp16": (dict(n=16, h=16, v=67, dtype="float16"), dict(beta=0.5)),
+    "hidden-reverse-bf16": (
+        dict(n=20, h=16, v=67, target_format="hidden", ht=16, dtype="bfloat16", teacher_bias=True),
+        dict(beta=1.0, chunk_size=8),
+    ),
+    "hidden-fp16-bias": (dict(n=16, h=16, v=67, target_format="hidden", ht=16, dtype="float16", bias=True), dict()),
+    "topk-bf16-hard": (
+        dict(n=20, h=16, v=131, target_format="topk_log_probs", k=6, dtype="bfloat16", pad_frac=0.3),
+        dict(weight_hard_loss=0.5),
+    ),
+    "cross-entropy-bf16": (dict(n=20, h=16, v=131, dtype="bfloat16"), dict(fn="cross_entropy", chunk_size=8)),
+    "cross-entropy-bf16-bias-smoothing": (
+        dict(n=20, h=16, v=67, dtype="bfloat16", bias=True),
+        dict(fn="cross_entropy", label_smoothing=0.1),
+    ),
+}
+
+
+def _spy(monkeypatch: pytest.MonkeyPatch, v: int) -> list[tuple[str, tuple[int, ...]]]:
+    """Record the strides of every ``[rows, V]`` buffer the row phases, the Triton logits GEMMs and
+    the factored chunk receive, and of a teacher head's blocks: ``(who, stride)``. A dense teacher
+    is the caller's tensor, read as it is: not recorded."""
+    seen: list[tuple[str, tuple[int, ...]]] = []
+
+    def note(who: str, *tensors) -> None:
+        for a in tensors:
+            if isinstance(a, torch.Tensor) and a.dim() == 2 and a.shape[1] == v and a.shape[0] > 1:
+                seen.append((who, a.stride()))
+
+    def wrap(module, name: str, at: slice) -> None:
+        real = getattr(module, name)
+
+        def spied(*args):
+            note(f"{module.__name__}.{name}", *args[at])
+            return real(*args)
+
+        monkeypatch.setattr(module, name, spied)
+
+    def teacher_block(loss: Loss, *args):
+        block = dense_chunk(loss, *args)
+        if loss.teacher_head:
+            note("teacher head's block", block)
+        return block
+
+    for phases in (torch_phases, triton_phases):
+        for name in ("stats", "mixture_sums", "finish"):
+            wrap(phases, name, slice(0, 1))
+    monkeypatch.setattr(teachers, "dense_chunk", teacher_block)
+    wrap(triton_logits, "logits_with_stats", slice(-1, None))
+    wrap(triton_logits, "plain_logits", slice(-1, None))
+    wrap(triton_factored, "exp_logits", slice(-1, None))
+    return seen
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_every_kernel_reads_aligned_rows_and_matches_float64_at_an_unaligned_vocabulary(monkeypatch, backend, case):
+    shape, options = CASES[case]
+    assert shape["v"] % ROW_STRIDE_MULTIPLE != 0
+    seen = _spy(monkeypatch, shape["v"])
+    inp = make_inputs(**shape)
+    out = run(f"torch/{backend}", inp, **options)
+    assert_matches(out, inp, **options)
+    assert seen, "no kernel saw the chunk's buffer"
+    assert any(who == "teacher head's block" for who, _ in seen) == (shape.get("target_format") == "hidden")
+    wrong = [(who, stride) for who, stride in seen if stride != (padded_row_stride(shape["v"]), 1)]
+    assert not wrong, f"buffers without the padded row stride: {wrong}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])  # the pointer and the TMA path
+def test_the_fused_logits_gemm_takes_padded_rows_and_leaves_the_padding_alone(dtype):
+    gen = torch.Generator().manual_seed(0)
+    rows, h, v = 12, 16, 87
+    x = torch.randn(rows, h, generator=gen).to(dtype)
+    w = (torch.randn(v, h, generator=gen) / h**0.5).to(dtype)
+    wide = torch.full((rows, padded_row_stride(v)), float("nan"), dtype=dtype)
+    z = wide[:, :v]
+    make_stats = triton_logits.logits_with_stats(x, w, None, Loss(teacher=None, weight_soft=0.0, weight_hard=1.0), z)
+    assert make_stats is not None, "the fused GEMM refused rows padded to an aligned stride"
+    torch.testing.assert_close(z.float(), (x.float() @ w.float().t()).to(dtype).float(), atol=1e-2, rtol=1e-2)
+    assert wide[:, v:].isnan().all()
+
+
+def test_the_factored_chunk_takes_padded_rows_and_leaves_the_padding_alone():
+    gen = torch.Generator().manual_seed(1)
+    rows, h, v = 12, 16, 87
+    x = torch.randn(rows, h, generator=gen).to(torch.bfloat16)
+    w = (torch.randn(v, h, generator=gen) / h**0.5).to(torch.bfloat16)
+    y = torch.randint(0, v, (rows,), generator=gen)
+    loss = Loss(teacher=None, weight_soft=0.0, weight_hard=1.0)
+    wide = torch.full((rows, padded_row_stride(v)), float("nan"), dtype=torch.bfloat16)
+    z = wide[:, :v]
+    exp = triton_factored.exp_logits(x, w, None, loss, z)
+    assert exp is not None, "the factored GEMM refused rows padded to an aligned stride"
+    make_stats, tiles = exp
+    c_hard = torch.ones(rows)
+    alpha = triton_factored.settle(z, tiles, make_stats(y), c_hard, c_hard, y, loss)
+    logits = x.double() @ w.double().t()
+    want = torch.softmax(logits, -1) - torch.nn.functional.one_hot(y, v).double()
+    torch.testing.assert_close(alpha.double()[:, None] * z.double(), want, atol=1e-2, rtol=2e-2)
+    assert wide[:, v:].isnan().all()
+
+
+def test_torchs_gemms_write_and_read_padded_rows_in_place():
+    """The cuBLAS / CPU path: ``torch.mm(out=)`` writes the strided buffer itself (no contiguous
+    temporary copied back), and the gradient GEMMs read it as it is."""
+    gen = torch.Generator().manual_seed(2)
+    x, w = torch.randn(6, 8, generator=gen), torch.randn(67, 8, generator=gen)
+    wide = torch.full((6, padded_row_stride(67)), float("nan"))
+    z = wide[:, :67]
+    with torch.profiler.profile() as prof:
+        torch.mm(x, w.t(), out=z)
+        grad_x, grad_w = torch.mm(z, w), torch.mm(z.t(), x)
+    assert "aten::copy_" not in {e.key for e in prof.key_averages()}
+    torch.testing.assert_close(z, x @ w.t())
+    assert wide[:, 67:].isnan().all()
+    dense = (x @ w.t()).contiguous()
+    torch.testing.assert_close(grad_x, dense @ w)
+    torch.testing.assert_close(grad_w, dense.t() @ x)
