@@ -34,11 +34,12 @@ from jax import lax
 from jax import shard_map as _shard_map
 from jax.sharding import PartitionSpec as P
 
+from fused_kl.backend import Compute
 from fused_kl.loss import NO_VALUES, Loss
 from fused_kl.options import Needs, RunOptions
 
 from .autograd import fused_linear_loss, loss_cotangent, needs_and_values, scale_grad
-from .backends import Backend, Compute
+from .backends import Backend
 from .layout import Layout
 from .teachers import TeacherArrays
 

@@ -20,6 +20,7 @@ from types import ModuleType
 
 import jax
 
+from fused_kl.backend import Compute, NamedByEntry
 from fused_kl.checks import backend_unavailable, unknown_backend
 
 
@@ -55,11 +56,6 @@ def _torch_triton_missing() -> str | None:
     return None
 
 
-# ``compute(x, weight, bias, teacher, labels, loss, run, layout, needs, backend)``:
-# ``(loss, grad_x, grad_weight, grad_bias)``, the gradients None where ``needs`` says so.
-Compute = Callable[..., tuple]
-
-
 @dataclass(frozen=True)
 class Registered:
     """A backend by name, before anything of it is imported: what it runs, in words; why it
@@ -76,7 +72,7 @@ class Registered:
 
 
 @dataclass(frozen=True)
-class Backend:
+class Backend(NamedByEntry):
     """A backend resolved: what it runs. A variant is ``dataclasses.replace(backend, ...)``
     (``in_place_grad_weight=None`` prices that kernel), passed as ``backend=``.
 
@@ -93,18 +89,6 @@ class Backend:
     phases: ModuleType | None = None
     mosaic_phases: ModuleType | None = None
     in_place_grad_weight: ModuleType | None = None
-
-    @property
-    def name(self) -> str:
-        return self.entry.name
-
-    @property
-    def runs(self) -> str:
-        return self.entry.runs
-
-    @property
-    def single_device(self) -> bool:
-        return self.entry.single_device
 
     def chunk_phases(self, z: jax.Array, t: object) -> ModuleType:
         """The row phases of one chunk (``z`` its logits, ``t`` its dense teacher or None): the

@@ -16,11 +16,8 @@ from types import ModuleType
 
 import torch
 
+from fused_kl.backend import Compute, NamedByEntry
 from fused_kl.checks import backend_unavailable, unknown_backend
-
-# ``compute(x, weight, bias, teacher, labels, loss, run, layout, needs, backend, ready=None)``:
-# ``(loss, grad_x, grad_weight, grad_bias)``, the gradients None where ``needs`` says so.
-Compute = Callable[..., tuple]
 
 
 def _triton_missing(device: torch.device) -> str | None:
@@ -56,7 +53,7 @@ class Registered:
 
 
 @dataclass(frozen=True)
-class Backend:
+class Backend(NamedByEntry):
     """A backend resolved: what it runs. A variant is ``dataclasses.replace(backend, ...)``
     (``fused_logits=None`` prices that fusion), passed as ``backend=``.
 
@@ -81,18 +78,6 @@ class Backend:
     factored: ModuleType | None = None
     factored_topk: Callable | None = None
     scale_grad: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
-
-    @property
-    def name(self) -> str:
-        return self.entry.name
-
-    @property
-    def runs(self) -> str:
-        return self.entry.runs
-
-    @property
-    def single_device(self) -> bool:
-        return self.entry.single_device
 
 
 # Plain import statements, not importlib: torch.compile traces through them.
