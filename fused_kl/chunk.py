@@ -74,9 +74,6 @@ def topk_part(
         logits_at(at, local), local, ops.f32(log_p), is_label, (stats[:, STATS.lse], stats[:, STATS.lse_hard]), scales,
         loss, v_total, layout.vocab_sum, xp,
     )  # fmt: skip
-    # A token id outside the whole vocabulary (only possible under jit / compile, where the
-    # values went unchecked) makes its row's loss NaN, as the contract says.
-    soft = xp.where(((idx >= 0) & (idx < v_total)).all(-1), soft, float("nan"))
     weighed = (scales[0] != 0) | (scales[1] != 0) | (scales[2] != 0)
     return soft, k, at, g_at, local & weighed[:, None]
 
@@ -135,5 +132,4 @@ def row_phases(
         soft = rowmath.soft_rows(kind, soft_sums, loss.beta) if loss.soft else None
     if topk is not None and write_grad:
         g = ops.set_at(g, at, g_at, write)
-    labels_ok = True if y is None else (y >= 0) & (y < v_total)
-    return g, *rowmath.row_losses(stats, keep, labels_ok, soft, row_weight, weights, loss, v_total, xp)
+    return g, *rowmath.row_losses(stats, keep, soft, row_weight, weights, loss, v_total, xp)

@@ -17,7 +17,7 @@ class RunOptions:
 
     ``values_checked``: the labels and top-k token ids were read on the host and checked (eager
     calls). Otherwise (``jax.jit``, ``torch.compile``, CUDA graph capture) the driver turns a kept
-    row they make invalid into NaN (``fused_kl.rowmath.unchecked_rows``): a few ``[rows]``-sized
+    row they make invalid into NaN (``fused_kl.rowmath.invalid_rows``): a few ``[rows]``-sized
     operations, which a checked call skips."""
 
     accum_dtype: str | None = None

@@ -184,7 +184,6 @@ def coefficients(
 def row_losses(
     stats: Any,
     keep: Any,
-    labels_ok: Any,
     soft_rows: Any,
     row_weight: Any | None,
     weights: LossWeights,
@@ -194,8 +193,9 @@ def row_losses(
 ) -> tuple[Any, Any]:
     """Each row's ``(share of the loss, own loss)``: the share ``r_i (w_soft s soft_i + s_hard
     (w_hard ce_i + z lse_i**2))`` with ``r_i`` its weight, the own loss unweighted and unnormalised,
-    ``w_soft soft_i + w_hard ce_i + z lse_i**2``; both 0 if ignored, NaN where a kept label of the
-    cross-entropy lies outside the vocabulary."""
+    ``w_soft soft_i + w_hard ce_i + z lse_i**2``; both 0 if ignored. A kept row with a label
+    outside the vocabulary never gets here checked: the eager value check refuses it, and an
+    unchecked call's driver makes it NaN (:func:`unchecked_rows`)."""
     s = columns(STATS, stats)
     zero = s.lse * 0.0
     soft = soft_rows if loss.soft else zero
@@ -203,7 +203,6 @@ def row_losses(
     if loss.cross_entropy:
         ls = loss.label_smoothing
         ce = s.lse_hard - (1.0 - ls) * s.label_logit - (ls / v_total) * s.logit_sum
-        ce = xp.where(labels_ok, ce, float("nan"))
     z_sq = s.lse_hard * s.lse_hard if loss.z_term else zero
     share = soft * weights.soft + ce * weights.hard + z_sq * weights.z
     own = soft * loss.weight_soft + ce * loss.weight_hard + z_sq * loss.z_loss
@@ -278,7 +277,7 @@ def topk(
     return soft, k, g
 
 
-def unchecked_rows(
+def invalid_rows(
     labels: Any | None, indices: Any | None, keep: Any, loss: Loss, v_total: int, sort: Callable[[Any], Any]
 ) -> Any | None:
     """The kept rows that the eager value check (``fused_kl.value_checks.check_value_summary``) would
@@ -297,10 +296,11 @@ def unchecked_rows(
     return None if bad is None else keep & bad
 
 
-def nan_rows(bad: Any | None, rows: Any, xp: Any) -> Any:
-    """``rows`` (a per-row array, or a NamedTuple of them) with NaN at the ``bad`` rows."""
-    if bad is None:
+def nan_rows(invalid: Any | None, rows: Any, xp: Any) -> Any:
+    """``rows`` (a per-row array, or a NamedTuple of them) with NaN at the ``invalid`` rows
+    (:func:`invalid_rows`)."""
+    if invalid is None:
         return rows
     if isinstance(rows, tuple):
-        return type(rows)(*(nan_rows(bad, r, xp) for r in rows))
-    return xp.where(bad, float("nan"), rows)
+        return type(rows)(*(nan_rows(invalid, r, xp) for r in rows))
+    return xp.where(invalid, float("nan"), rows)

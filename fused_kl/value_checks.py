@@ -3,7 +3,7 @@ indices, the teacher and the row weights, reduced where the arrays are (:func:`v
 and the errors raised from those few numbers on the host (:func:`check_value_summary`).
 
 Under ``jax.jit`` and ``torch.compile`` the values are not concrete and these checks do not run:
-the drivers turn the rows they would have refused into NaN (``fused_kl.rowmath.unchecked_rows``).
+the drivers turn the rows they would have refused into NaN (``fused_kl.rowmath.invalid_rows``).
 """
 
 from __future__ import annotations

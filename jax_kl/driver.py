@@ -73,8 +73,10 @@ def forward(
     kept = layout.batch_sum(jnp.sum(keep, dtype=jnp.float32))
     weights = rowmath.loss_weights(kept, loss, v_total, x.dtype == jnp.float16, jnp)
     scales = rowmath.grad_scales(keep, row_weight, weights, loss, jnp)
-    bad = None if run.values_checked else rowmath.unchecked_rows(labels, teacher.indices, keep, loss, v_total, OPS.sort)
-    scales = rowmath.nan_rows(bad, scales, jnp)
+    invalid = None
+    if not run.values_checked:
+        invalid = rowmath.invalid_rows(labels, teacher.indices, keep, loss, v_total, OPS.sort)
+    scales = rowmath.nan_rows(invalid, scales, jnp)
     hard_labels = rowmath.hard_labels(labels, keep, loss, jnp)
     accum = jnp.dtype(run.accum_dtype) if run.accum_dtype else weight.dtype
     row_losses, own_losses = [], []
@@ -115,8 +117,8 @@ def forward(
         if needs.weight or needs.bias:
             done = (grad_w, grad_b)  # grad_x passes the next barrier itself
 
-    total = jnp.sum(rowmath.nan_rows(bad, jnp.concatenate(row_losses), jnp)) if row_losses else jnp.float32(0.0)
-    rows = rowmath.nan_rows(bad, jnp.concatenate(own_losses), jnp) if own_losses else jnp.zeros((0,), jnp.float32)
+    total = jnp.sum(rowmath.nan_rows(invalid, jnp.concatenate(row_losses), jnp)) if row_losses else jnp.float32(0.0)
+    rows = rowmath.nan_rows(invalid, jnp.concatenate(own_losses), jnp) if own_losses else jnp.zeros((0,), jnp.float32)
     if not plan.bounds:  # no rows
         grad_w = jnp.zeros((v, h), accum) if needs.weight else None
         grad_b = jnp.zeros((v,), jnp.float32) if needs.bias else None

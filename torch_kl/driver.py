@@ -133,8 +133,7 @@ def _factored_chunk(
             )  # fmt: skip
         q_factor = c_soft * k + (c_hard + c_z if loss.hard else 0.0)
         sparse = (at, g_at, write)
-    labels_ok = True if y is None else (y >= 0) & (y < v_total)
-    losses = rowmath.row_losses(stats, keep, labels_ok, soft, row_weight, weights, loss, v_total, torch)
+    losses = rowmath.row_losses(stats, keep, soft, row_weight, weights, loss, v_total, torch)
     if grads.x is None and grads.weight is None:
         return losses
     alpha = factored.settle(z, tiles, stats, q_factor, c_hard, y_local, loss, sparse, OPS.set_at)
@@ -177,7 +176,7 @@ def forward(
 
     ``out`` may hold preallocated ``loss``/``row_losses``/``grad_x``/``grad_weight``/``grad_bias`` to write into;
     ``ready()``, if given, runs before any kernel reads ``labels`` or the teacher's token ids (it
-    raises on bad values: the eager value check's wait, ``torch_kl.validate.check_values``).
+    raises on invalid values: the eager value check's wait, ``torch_kl.validate.check_values``).
     """
     out = out or {}
     n = x.shape[0]
@@ -223,8 +222,10 @@ def forward(
     kept = layout.batch_sum(keep.sum(dtype=torch.float32))
     weights = rowmath.loss_weights(kept, loss, v_total, x.dtype == torch.float16, torch)
     scales = rowmath.grad_scales(keep, row_weight, weights, loss, torch)
-    bad = None if run.values_checked else rowmath.unchecked_rows(labels, teacher.indices, keep, loss, v_total, OPS.sort)
-    scales = rowmath.nan_rows(bad, scales, torch)
+    invalid = None
+    if not run.values_checked:
+        invalid = rowmath.invalid_rows(labels, teacher.indices, keep, loss, v_total, OPS.sort)
+    scales = rowmath.nan_rows(invalid, scales, torch)
     hard_labels = rowmath.hard_labels(labels, keep, loss, torch)
     grads = _allocate(x, weight, needs, run, bool(plan.bounds), out)
     row_loss = torch.empty(n, dtype=torch.float32, device=dev)  # each row's share of the loss
@@ -264,6 +265,10 @@ def forward(
         if grads.bias is not None:
             grads.bias.add_(z.sum(0, dtype=torch.float32))
 
+    if invalid is not None:
+        row_loss.masked_fill_(invalid, float("nan"))
+        own_loss.masked_fill_(invalid, float("nan"))
+    total = _cast_into(row_loss.sum(), out.get("loss"), torch.float32)
     unscale = weights.unscale
     if unscale is not None:  # float16; exact: a power of two
         for grad in (grads.x, grads.weight, grads.bias):
@@ -271,10 +276,6 @@ def forward(
                 grad.mul_(unscale)
     if grads.x is not None and layout.vocab_group is not None:
         grads.x = _cast_into(layout.vocab_sum(grads.x), grads.x, grads.x.dtype)
-    if bad is not None:
-        row_loss.masked_fill_(bad, float("nan"))
-        own_loss.masked_fill_(bad, float("nan"))
-    total = _cast_into(row_loss.sum(), out.get("loss"), torch.float32)
     grad_w = None if grads.weight is None else _cast_into(grads.weight, out.get("grad_weight"), weight.dtype)
     grad_b = None if grads.bias is None else _cast_into(grads.bias, out.get("grad_bias"), bias.dtype)  # type: ignore[union-attr]
     return total, own_loss, grads.x, grad_w, grad_b

@@ -71,9 +71,7 @@ def _topk_kernel(
         lse_hard = tl.load(stats_ptr + r * stats_stride + STATS.value.lse_hard)
         q_hard = tl.exp(a * temperature - lse_hard)
         g += (c_hard + c_z) * q_hard - c_hard * tl.where(idx == tl.load(y_ptr + r), 1.0, 0.0)
-    # A token id outside the vocabulary (only possible under compile, unchecked) makes the row NaN.
-    outside = tl.sum((live & ~local).to(tl.int32), axis=0) > 0
-    tl.store(soft_ptr + r, tl.where(outside, float("nan"), soft))
+    tl.store(soft_ptr + r, soft)
     tl.store(k_ptr + r, k)
     tl.store(g_ptr + r * n_top + i, g * scale, mask=live)
     tl.store(at_ptr + r * n_top + i, at, mask=live)
