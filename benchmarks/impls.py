@@ -169,8 +169,34 @@ def _fused(package: str, mode: Mode, **options: Any) -> LossFn:
     """``fused_linear_kl_div`` (``fused_linear_cross_entropy`` without a teacher) of ``torch_kl`` or ``jax_kl``."""
     api = importlib.import_module(package)
     if mode.teacher is None:
-        return lambda x, w, a: api.fused_linear_cross_entropy(x, w, a["labels"], **mode.options, **options)
+        return lambda x, w, a: api.fused_linear_cross_entropy(
+            x, w, a["labels"], **{k: v for k, v in a.items() if k != "labels"}, **mode.options, **options
+        )
     return lambda x, w, a: api.fused_linear_kl_div(x, w, **a, **mode.options, **options)
+
+
+def _with_row_weights(package: str, backend: str, mode: Mode) -> LossFn:
+    """``backend`` with a weight per row and the per-row losses returned: what the two cost, priced
+    beside the plain call. The weights (in [0.5, 1.5)) are made inside the call: ``N`` values."""
+    loss = _fused(package, mode, backend=backend, return_row_losses=True)
+    if package == "torch_kl":
+
+        def weights(x: Any) -> Any:
+            return torch.arange(x.shape[0], device=x.device).remainder(5).mul(0.25).add(0.5)
+    else:
+        import jax.numpy as jnp
+
+        def weights(x: Any) -> Any:
+            return (jnp.arange(x.shape[0]) % 5) * 0.25 + 0.5
+
+    return lambda x, w, a: loss(x, w, a | {"row_weight": weights(x)})[0]
+
+
+def _with_z_loss(package: str, backend: str, mode: Mode) -> LossFn:
+    """``backend`` with a z-loss term (cross-entropy only: the z-loss rides on the hard term)."""
+    if mode.teacher is not None:
+        raise Skip("z-loss is priced on cross-entropy (mode ce)")
+    return _fused(package, mode, backend=backend, z_loss_weight=1e-4)
 
 
 def _registry(package: str) -> tuple[str, ...]:
@@ -256,6 +282,14 @@ def build() -> dict[str, Impl]:
         # the statistics in the GEMM's epilogue, `dL/dz` written by `finish` (cross-entropy: not factored)
         impls["torch_kl/triton-unfactored"] = Impl("torch", _torch_kl_without("factored", "factored_topk"))
         impls["torch_kl/triton-unchecked"] = Impl("torch", _torch_kl_unchecked)
+    for package, backend, wrap in (("torch_kl", "triton", _autograd), ("jax_kl", "pallas", _jitted)):
+        if f"{package}/{backend}" in impls:
+            framework = "torch" if package == "torch_kl" else "jax"
+            impls[f"{package}/{backend}+row-weights"] = Impl(
+                framework, wrap(functools.partial(_with_row_weights, package, backend)), gradients=False
+            )
+            z_loss = functools.partial(_with_z_loss, package, backend)
+            impls[f"{package}/{backend}+z-loss"] = Impl(framework, wrap(z_loss), gradients=False)
     # XLA folds each chunk's `acc + g^T x` into a cuBLAS GEMM (beta = 1) only when its own Triton
     # GEMMs are off: `pallas_triton-cublas` shows that fold. `pallas-cublas` is what a user's
     # jit(compiler_options=...) gets on the default backend, which cannot see the option and still

@@ -16,7 +16,7 @@ from torch_kl.backends import REGISTRY as TORCH_REGISTRY
 GPU_BACKENDS = tuple(f"torch/{b}" for b in TORCH_REGISTRY if b != "torch") + tuple(
     f"jax/{b}" for b in JAX_REGISTRY if b != "xla"
 )
-ARRAY_OPTIONS = ("teacher_weight", "teacher_bias", "target_indices")
+ARRAY_OPTIONS = ("teacher_weight", "teacher_bias", "target_indices", "row_weight")
 
 
 def run_gpu(backend: str, x, w, t, labels=None, bias=None, *, fn: str = "fused_linear_kl_div", **options):
