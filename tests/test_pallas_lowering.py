@@ -16,7 +16,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from fused_kl.loss import Loss, Teacher  # noqa: E402
 from fused_kl.rows import MIXTURE_SUMS  # noqa: E402
-from jax_kl.backends import mosaic_missing, pallas_mosaic, pallas_triton, resolve  # noqa: E402
+from jax_kl.backends import mosaic_missing, pallas_mosaic, pallas_triton, resolve, xla_phases  # noqa: E402
 
 LOSSES = {
     "forward-probs": (Loss(teacher=Teacher("probs", 1.0)), jnp.float32, False),
@@ -133,14 +133,19 @@ def test_grid_covers_every_tile_once(rows: int, v: int) -> None:
     assert blocks * segs >= pallas_mosaic.MIN_PROGRAMS or segs == tiles
 
 
-def test_pallas_runs_the_triton_lowering_where_mosaic_cannot() -> None:
+def test_pallas_runs_the_xla_phases_where_mosaic_cannot_move_a_chunk() -> None:
     z = jnp.zeros((64, 128), jnp.bfloat16)
     expected = pallas_mosaic if mosaic_missing() is None else pallas_triton
     assert resolve("pallas").chunk_phases(z, None) is expected
-    with_mosaic = dataclasses.replace(resolve("pallas"), mosaic_phases=pallas_mosaic)  # as on a Hopper GPU
+    # as on a Hopper GPU: the Mosaic GPU kernels, else the XLA phases, never the Triton lowering
+    with_mosaic = dataclasses.replace(resolve("pallas"), phases=xla_phases, mosaic_phases=pallas_mosaic)
     assert with_mosaic.chunk_phases(z, None) is pallas_mosaic
-    assert with_mosaic.chunk_phases(jnp.zeros((64, 100), jnp.bfloat16), None) is pallas_triton
-    assert with_mosaic.chunk_phases(z, (jnp.zeros((64, 128), jnp.float32), 32)) is pallas_triton  # teacher row 32
+    assert with_mosaic.chunk_phases(jnp.zeros((64, 100), jnp.bfloat16), None) is xla_phases
+    assert with_mosaic.chunk_phases(z, (jnp.zeros((64, 128), jnp.float32), 32)) is xla_phases  # teacher row 32
+
+
+def test_auto_never_picks_the_triton_lowering() -> None:
+    assert resolve("auto").entry.name == ("pallas" if mosaic_missing() is None else "xla")
 
 
 def test_grad_weight_kernel_lowers_and_adds_in_place() -> None:

@@ -5,8 +5,10 @@
 everything after it (``custom_vjp``, the sharding, the chunk driver) runs what that value carries
 and looks no name up. ``"auto"`` picks the first backend of ``AUTO_ORDER`` that can run here.
 ``"pallas"`` runs the Pallas kernels on Mosaic GPU where they can run (Hopper or newer,
-jax >= 0.11) and the chunk fits (:meth:`Backend.chunk_phases`), else lowered through Triton;
-``"pallas_mosaic"`` and ``"pallas_triton"`` force one of the two. The bridge (``"triton"``)
+jax >= 0.11); a chunk the TMA cannot move there (:meth:`Backend.chunk_phases`) runs the XLA
+phases, so the deprecated Triton lowering is never on a default path. Where Mosaic GPU cannot
+run, ``"pallas"`` is the Triton lowering (interpreted on CPU), and ``"auto"`` picks ``"xla"``.
+``"pallas_mosaic"`` and ``"pallas_triton"`` force one of the two lowerings. The bridge (``"triton"``)
 lives in ``fused_kl_bridges``, imported only when it is resolved: ``jax_kl`` never imports ``torch_kl``.
 """
 
@@ -93,7 +95,8 @@ class Backend(NamedByEntry):
     def chunk_phases(self, z: jax.Array, t: object) -> ModuleType:
         """The row phases of one chunk (``z`` its logits, ``t`` its dense teacher or None): the
         Mosaic GPU kernels where the backend has them and the TMA can move the chunk (there they
-        are at least as fast as the Triton lowering in every mode), else ``phases``."""
+        are at least as fast as the Triton lowering in every mode), else ``phases`` (for
+        ``"pallas"`` on Mosaic GPU: the XLA phases)."""
         if self.mosaic_phases is not None and self.mosaic_phases.fits(z, t):
             return self.mosaic_phases
         return self.phases  # type: ignore[return-value]
@@ -128,9 +131,12 @@ def _in_place_grad_weight() -> ModuleType | None:
 
 def _pallas(entry: Registered) -> Backend:
     from ..driver import forward
-    from . import pallas_triton
+    from . import pallas_triton, xla_phases
 
-    return Backend(entry, forward, pallas_triton, _mosaic_phases(), _in_place_grad_weight())
+    mosaic = _mosaic_phases()
+    if mosaic is None:
+        return Backend(entry, forward, pallas_triton)
+    return Backend(entry, forward, xla_phases, mosaic, _in_place_grad_weight())
 
 
 def _pallas_mosaic(entry: Registered) -> Backend:
@@ -199,6 +205,12 @@ AUTO_ORDER = ("pallas", "xla")
 NAMES = ("auto", *REGISTRY)
 
 
+def _auto_may_pick(name: str) -> bool:
+    """``"auto"`` takes the Pallas kernels only where they run on Mosaic GPU: elsewhere they are
+    the deprecated Triton lowering (an explicit choice), and ``"xla"`` runs."""
+    return name == "xla" or mosaic_missing() is None
+
+
 def resolve(name: object, *, check_vma: bool = False) -> Backend:
     """The backend a ``backend=`` argument names, checked to run here and built (a
     :class:`Backend` value is taken as it is). ``check_vma``: the call runs inside a
@@ -213,7 +225,7 @@ def resolve(name: object, *, check_vma: bool = False) -> Backend:
         for candidate in AUTO_ORDER:
             entry = REGISTRY[candidate]
             usable = entry.tracks_vma or not check_vma
-            if (_on_gpu() or candidate == "xla") and usable and entry.missing() is None:
+            if _auto_may_pick(candidate) and usable and entry.missing() is None:
                 return entry.build(entry)
     entry = REGISTRY[name]  # type: ignore[index]
     if (why := entry.missing()) is not None:

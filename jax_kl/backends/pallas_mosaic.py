@@ -15,7 +15,7 @@ one gather done by XLA.
 
 The TMA needs the vocabulary to be a multiple of the 128-byte tile (64 bf16 columns) and a
 teacher chunk to start on a 64-row boundary: :func:`fits` says whether a chunk qualifies;
-backend ``"pallas"`` runs the Triton lowering otherwise (``Backend.chunk_phases``).
+backend ``"pallas"`` runs the XLA phases otherwise (``Backend.chunk_phases``).
 """
 
 from __future__ import annotations
