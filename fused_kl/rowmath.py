@@ -304,3 +304,26 @@ def nan_rows(invalid: Any | None, rows: Any, xp: Any) -> Any:
     if isinstance(rows, tuple):
         return type(rows)(*(nan_rows(invalid, r, xp) for r in rows))
     return xp.where(invalid, float("nan"), rows)
+
+
+class RowPlan(NamedTuple):
+    """What a call's rows need before its first chunk: the :class:`LossWeights`, the rows'
+    :class:`RowScales` (NaN at the ``invalid`` rows), the rows a compiled call could not check
+    (:func:`invalid_rows`, or None) and the labels the kernels' hard side reads (:func:`hard_labels`)."""
+
+    weights: LossWeights
+    scales: RowScales
+    invalid: Any | None
+    hard_labels: Any | None
+
+
+def row_plan(
+    keep: Any, kept: Any, labels: Any | None, row_weight: Any | None, indices: Any | None, loss: Loss,
+    values_checked: bool, v_total: int, float16: bool, sort: Callable[[Any], Any], xp: Any,
+) -> RowPlan:  # fmt: skip
+    """The :class:`RowPlan` of a call: ``keep`` its kept rows, ``kept`` their number over every
+    device (float32); both drivers make it here, in one place."""
+    weights = loss_weights(kept, loss, v_total, float16, xp)
+    invalid = None if values_checked else invalid_rows(labels, indices, keep, loss, v_total, sort)
+    scales = nan_rows(invalid, grad_scales(keep, row_weight, weights, loss, xp), xp)
+    return RowPlan(weights, scales, invalid, hard_labels(labels, keep, loss, xp))

@@ -71,13 +71,10 @@ def forward(
 
     keep = jnp.ones(n, bool) if labels is None else labels != loss.ignore_index
     kept = layout.batch_sum(jnp.sum(keep, dtype=jnp.float32))
-    weights = rowmath.loss_weights(kept, loss, v_total, x.dtype == jnp.float16, jnp)
-    scales = rowmath.grad_scales(keep, row_weight, weights, loss, jnp)
-    invalid = None
-    if not run.values_checked:
-        invalid = rowmath.invalid_rows(labels, teacher.indices, keep, loss, v_total, OPS.sort)
-    scales = rowmath.nan_rows(invalid, scales, jnp)
-    hard_labels = rowmath.hard_labels(labels, keep, loss, jnp)
+    weights, scales, invalid, hard_labels = rowmath.row_plan(
+        keep, kept, labels, row_weight, teacher.indices, loss, run.values_checked, v_total, x.dtype == jnp.float16,
+        OPS.sort, jnp,
+    )  # fmt: skip
     accum = jnp.dtype(run.accum_dtype) if run.accum_dtype else weight.dtype
     row_losses, own_losses = [], []
     # Each chunk's rows of grad_x are written into one [N, H] buffer, as torch_kl's driver does:

@@ -220,13 +220,10 @@ def forward(
         ready()
     keep = torch.ones(n, dtype=torch.bool, device=dev) if labels is None else labels != loss.ignore_index
     kept = layout.batch_sum(keep.sum(dtype=torch.float32))
-    weights = rowmath.loss_weights(kept, loss, v_total, x.dtype == torch.float16, torch)
-    scales = rowmath.grad_scales(keep, row_weight, weights, loss, torch)
-    invalid = None
-    if not run.values_checked:
-        invalid = rowmath.invalid_rows(labels, teacher.indices, keep, loss, v_total, OPS.sort)
-    scales = rowmath.nan_rows(invalid, scales, torch)
-    hard_labels = rowmath.hard_labels(labels, keep, loss, torch)
+    weights, scales, invalid, hard_labels = rowmath.row_plan(
+        keep, kept, labels, row_weight, teacher.indices, loss, run.values_checked, v_total, x.dtype == torch.float16,
+        OPS.sort, torch,
+    )  # fmt: skip
     grads = _allocate(x, weight, needs, run, bool(plan.bounds), out)
     row_loss = torch.empty(n, dtype=torch.float32, device=dev)  # each row's share of the loss
     own_loss = out.get("row_losses")
