@@ -5,14 +5,17 @@ implementation), each with the commit whose code it measured, the date and the b
 budgets (``do_bench``'s rep/warm-up in ms); a floor row per run that a quoted row came from, since
 each ratio is to the floor timed in its own process. This prints one Markdown table per mode and
 N and draws ``results.png``: × floor and effective TFLOP/s per mode, memory beyond the gradients.
-To add a run: append the rows of its ``results.json`` (``python -m benchmarks.bench``) with their
-mode, commit, date and budgets, drop the rows it supersedes, and run this again.
+To add a run: ``--add bench_out/results.json --commit <sha>`` puts its rows in the data (each
+replaces the row of the same mode, head, N and implementation; a floor row stays while a row
+measured beside it does), then prints and draws as always.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import datetime
+import json
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -76,7 +79,8 @@ def plot(rows: Sequence[dict[str, str]], n: int, path: Path) -> None:
             ax_time.barh(y, float(row["x_floor"]), height, color=color, label=None if impl in labelled else impl)
             labelled.add(impl)
             ax_time.text(float(row["x_floor"]) + 0.005, y, f"{row['tflops']} TFLOP/s", va="center", fontsize=7)
-            ax_mem.barh(y, float(row["beyond_grads_gib"]), height, color=color)
+            if row["beyond_grads_gib"]:  # blank where the bench could not see the step's memory
+                ax_mem.barh(y, float(row["beyond_grads_gib"]), height, color=color)
     ax_time.set(yticks=range(len(by_mode)), yticklabels=list(by_mode), xlim=(1.0, None),
                 xlabel="× the GEMM floor (lower is better)", title=f"forward + backward, N = {n}")  # fmt: skip
     ax_mem.set(xlabel="GiB beyond grad_x and grad_weight", title="memory the loss holds")
@@ -87,6 +91,37 @@ def plot(rows: Sequence[dict[str, str]], n: int, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def _fmt(value: float | None, digits: int) -> str:
+    return "" if value is None else f"{value:.{digits}g}"
+
+
+def added(rows: Sequence[dict[str, str]], run: dict, commit: str, date: str) -> list[dict[str, str]]:
+    """``rows`` with a bench run's (``results.json``) measured rows in: each replaces the row of
+    the same mode, head, N and implementation; a floor row stays while a row of its run does."""
+    config, mode = run["meta"]["config"], run["meta"]["config"]["mode"]
+    timing = f"{config['timing']['rep_ms']:g}/{config['timing']['warmup_ms']:g}"
+    def cells(r: dict) -> tuple[str, ...]:
+        return (
+            mode, r["head"], str(r["n"]), r["impl"], _fmt(r["ms"], 4), f"{r['x_floor']:.2f}", _fmt(r["tflops"], 3),
+            _fmt(r["peak_gib"], 3), _fmt(r["beyond_grads_gib"], 3), _fmt(r["err_grad_weight"], 2),
+            _fmt(r["err_grad_x"], 2), commit, date, timing,
+        )  # fmt: skip
+
+    new = [dict(zip(FIELDS, cells(r), strict=True)) for r in run["rows"] if r["status"] == "ok"]
+    key = lambda r: (r["mode"], r["head"], r["n"], r["impl"])
+    replaced = {key(r) for r in new if r["impl"] != "floor"}
+    kept = [r for r in rows if key(r) not in replaced] + new
+    runs = {(r["mode"], r["head"], r["n"], r["commit"]) for r in kept if r["impl"] != "floor"}
+    return [r for r in kept if r["impl"] != "floor" or (r["mode"], r["head"], r["n"], r["commit"]) in runs]
+
+
+def save(rows: Sequence[dict[str, str]], path: Path) -> None:
+    with path.open("w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, FIELDS, lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.results", description="RESULTS.md's tables (printed) and plot from its data."
@@ -94,8 +129,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data", type=Path, default=HERE / "results.csv", help="the rows (default: benchmarks/)")
     parser.add_argument("--plot", type=Path, default=HERE / "results.png", help="where the plot goes")
     parser.add_argument("--n", type=int, default=8192, help="the rows N the plot compares the modes at")
+    parser.add_argument("--add", type=Path, nargs="*", default=[], help="bench runs' results.json to put in the data")
+    parser.add_argument("--commit", help="with --add: the commit the runs measured")
+    parser.add_argument("--date", default=datetime.date.today().isoformat(), help="with --add: when (default today)")
     args = parser.parse_args(argv)
+    if args.add and not args.commit:
+        parser.error("--add needs --commit")
     rows = load(args.data)
+    for path in args.add:
+        rows = added(rows, json.loads(path.read_text(encoding="utf-8")), args.commit, args.date)
+    if args.add:
+        save(rows, args.data)
     print(markdown(rows), end="")
     plot(rows, args.n, args.plot)
     return 0

@@ -268,6 +268,36 @@ def test_results_md_quotes_its_data_and_the_plot_is_drawn_from_it(tmp_path, caps
     assert matplotlib.image.imread(tmp_path / "results.png").shape[0] > 100
 
 
+def test_a_bench_run_added_to_the_data_replaces_its_rows_and_keeps_the_floors_still_quoted(tmp_path) -> None:
+    from benchmarks import results
+
+    def row(impl: str, commit: str, ms: str) -> dict[str, str]:
+        values = ("kl", "llama3-8b", "8192", impl, ms, "1.00", "", "", "", "", "", commit, "2026-12-02", "1000/500")
+        return dict(zip(results.FIELDS, values, strict=True))
+
+    data = tmp_path / "results.csv"
+    results.save([row("floor", "old", "38"), row("torch_kl/triton", "old", "41"), row("liger", "old", "44")], data)
+    measured = dict(status="ok", peak_gib=None, beyond_grads_gib=None, err_grad_weight=None, err_grad_x=None, note="")
+    run = {
+        "meta": {"config": {"mode": "kl", "timing": {"rep_ms": 400.0, "warmup_ms": 100.0}}},
+        "rows": [
+            dict(measured, head="llama3-8b", n=8192, impl="floor", ms=37.5, x_floor=1.0, tflops=687.0),
+            dict(measured, head="llama3-8b", n=8192, impl="torch_kl/triton", ms=39.9, x_floor=1.064, tflops=646.2),
+            dict(measured, head="llama3-8b", n=8192, impl="compile", status="error: out of memory", ms=None),
+        ],
+    }
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    argv = ["--data", str(data), "--plot", str(tmp_path / "p.png"), "--add", str(tmp_path / "run.json")]
+    assert results.main([*argv, "--commit", "new", "--date", "2026-12-03"]) == 0
+    got = [(r["impl"], r["commit"], r["ms"], r["x_floor"], r["timing_ms"]) for r in results.load(data)]
+    assert got == [
+        ("floor", "old", "38", "1.00", "1000/500"),  # liger's run's floor, still quoted
+        ("liger", "old", "44", "1.00", "1000/500"),
+        ("floor", "new", "37.5", "1.00", "400/100"),
+        ("torch_kl/triton", "new", "39.9", "1.06", "400/100"),
+    ]
+
+
 def test_bench_module_runs_from_the_repository_root() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "benchmarks.bench", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=300
