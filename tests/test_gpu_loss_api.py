@@ -46,11 +46,12 @@ def _check(backend: str, shape: str, teacher: str, **options) -> None:
     ce = teacher == "ce"
     x, w, t, lab, extra = _inputs(n, h, v, dtype, fmt=TEACHERS[teacher].get("target_format", "probs"))
     opts = TEACHERS[teacher] | options
+    math = {k: v for k, v in opts.items() if k != "chunk_size"}
     if ce:
-        ref = reference_cross_entropy(x, w, lab, **opts)
+        ref = reference_cross_entropy(x, w, lab, **math)
         loss, gx, gw, _ = run_gpu(backend, x, w, t, lab, fn="fused_linear_cross_entropy", **opts)
     else:
-        ref = reference(x, w, t, lab, **opts, **extra)
+        ref = reference(x, w, t, lab, **math, **extra)
         loss, gx, gw, _ = run_gpu(backend, x, w, t, lab, **opts, **extra)
     tol = TOLERANCE[dtype]
     assert torch.isfinite(loss), loss
@@ -82,6 +83,8 @@ def test_row_losses_match_the_reference(backend: str, teacher: str) -> None:
     x, w, t, lab, _ = _inputs(n, h, v, dtype)
     rw = _row_weight(n)
     framework, name = backend.split("/")
+    if name == "pallas_mosaic":
+        pytest.skip("the TMA cannot move this shape's chunks: pallas_mosaic refuses it (test_gpu_mosaic)")
     opts = dict(row_weight=rw, return_row_losses=True, z_loss_weight=1e-3)
     if teacher == "ce":
         ref = reference_cross_entropy(x, w, lab, **opts)

@@ -79,7 +79,7 @@ def _require_fit(z: jax.Array, t) -> None:
             f"columns), chunks of rows in multiples of 8 and a teacher chunk starting on a multiple of {R} "
             f"rows; got logits {z.shape} {z.dtype}"
             + ("" if t is None else f", teacher {t[0].shape} {t[0].dtype} from row {t[1]}")
-            + "; backend='pallas' falls back to the Triton lowering here",
+            + "; backend='pallas' runs the XLA phases here",
         )
 
 
