@@ -4,7 +4,8 @@
 implementation), each with the commit whose code it measured, the date and the bench's timing
 budgets (``do_bench``'s rep/warm-up in ms); a floor row per run that a quoted row came from, since
 each ratio is to the floor timed in its own process. This prints one Markdown table per mode and
-N and draws ``results.png``: × floor and effective TFLOP/s per mode, memory beyond the gradients.
+N and draws ``results.png``: × floor and effective TFLOP/s per mode, memory beyond the gradients
+(the variants of a library's rows, such as ``torch_kl/triton+z-loss``, in the tables only).
 To add a run: ``--add bench_out/results.json --commit <sha>`` puts its rows in the data (each
 replaces the row of the same mode, head, N and implementation; a floor row stays while a row
 measured beside it does), then prints and draws as always.
@@ -36,19 +37,23 @@ def load(path: Path) -> list[dict[str, str]]:
     return rows
 
 
-def groups(rows: Sequence[dict[str, str]]) -> dict[tuple[str, int], list[dict[str, str]]]:
-    """The rows by (mode, N), in the file's order."""
-    out: dict[tuple[str, int], list[dict[str, str]]] = {}
+PLOTTED_HEAD = "llama3-8b"  # the head the plot compares the modes on; other heads (HxV) get tables only
+
+
+def groups(rows: Sequence[dict[str, str]]) -> dict[tuple[str, str, int], list[dict[str, str]]]:
+    """The rows by (mode, head, N), in the file's order."""
+    out: dict[tuple[str, str, int], list[dict[str, str]]] = {}
     for row in rows:
-        out.setdefault((row["mode"], int(row["n"])), []).append(row)
+        out.setdefault((row["mode"], row["head"], int(row["n"])), []).append(row)
     return out
 
 
 def markdown(rows: Sequence[dict[str, str]]) -> str:
-    """One table per (mode, N): every implementation against its run's floor."""
+    """One table per (mode, head, N): every implementation against its run's floor."""
     parts = []
-    for (mode, n), group in groups(rows).items():
-        lines = [f"#### `{mode}`, N = {n}", "", "| " + " | ".join(COLUMNS) + " |", "|" + " --- |" * len(COLUMNS)]
+    for (mode, head, n), group in groups(rows).items():
+        title = f"#### `{mode}`, N = {n}" + ("" if head == PLOTTED_HEAD else f", head {head}")
+        lines = [title, "", "| " + " | ".join(COLUMNS) + " |", "|" + " --- |" * len(COLUMNS)]
         for r in group:
             cells = (f"`{r['impl']}`", r["ms"], r["x_floor"], r["tflops"], r["beyond_grads_gib"], r["err_grad_w"],
                      f"`{r['commit']}`", r["timing_ms"])  # fmt: skip
@@ -57,13 +62,23 @@ def markdown(rows: Sequence[dict[str, str]]) -> str:
     return "\n\n".join(parts) + "\n"
 
 
+def _variant(impl: str) -> bool:
+    """A variant of a library's row (``torch_kl/triton+z-loss``, ``torch_kl-lowmem``): tables only."""
+    package = impl.split("/")[0]
+    return "+" in impl or (package.startswith(("torch_kl", "jax_kl")) and package not in ("torch_kl", "jax_kl"))
+
+
 def plot(rows: Sequence[dict[str, str]], n: int, path: Path) -> None:
     """Per mode at ``n`` rows: each implementation's × floor (its TFLOP/s written beside the bar)
     and its memory beyond the gradients."""
     from matplotlib import colormaps
     from matplotlib.figure import Figure
 
-    by_mode = {mode: [r for r in group if r["impl"] != "floor"] for (mode, m), group in groups(rows).items() if m == n}
+    by_mode = {
+        mode: [r for r in group if r["impl"] != "floor" and not _variant(r["impl"])]
+        for (mode, head, m), group in groups(rows).items()
+        if m == n and head == PLOTTED_HEAD
+    }
     impls = list(dict.fromkeys(r["impl"] for group in by_mode.values() for r in group))
     fig = Figure(figsize=(14, 1.2 + 0.9 * len(by_mode)), layout="constrained")
     ax_time, ax_mem = fig.subplots(1, 2, sharey=True)
