@@ -220,15 +220,15 @@ def _torch_kl(backend: Any) -> Impl:
     return Impl("torch", bridged)
 
 
-def _torch_kl_without(*fields: str) -> Callable[[Inputs], Prepared]:
-    """The Triton backend with some of its kernels left out (those ``Backend`` fields None, so
-    cuBLAS or the row kernels run instead): what they save, priced in one run."""
+def _torch_kl_variant(**fields: Any) -> Callable[[Inputs], Prepared]:
+    """The Triton backend with some ``Backend`` fields replaced (a kernel None: cuBLAS or the row
+    kernels run instead): what they save, priced in one run."""
 
     def make(inputs: Inputs) -> Prepared:
         from torch_kl import backends
 
         triton = backends.resolve("triton", inputs.x.device)
-        return _torch_kl(dataclasses.replace(triton, **dict.fromkeys(fields))).make(inputs)
+        return _torch_kl(dataclasses.replace(triton, **fields)).make(inputs)
 
     return make
 
@@ -277,10 +277,12 @@ def build() -> dict[str, Impl]:
     if "triton" in _registry("torch_kl"):
         # cuBLAS logits, then the `stats` and `finish` kernels: the comparison that prices both fusions
         impls["torch_kl/triton-cublas-logits"] = Impl(
-            "torch", _torch_kl_without("fused_logits", "plain_logits", "factored", "factored_topk")
+            "torch", _torch_kl_variant(fused_logits=None, plain_logits=None, factored=None, factored_topk=None)
         )
         # the statistics in the GEMM's epilogue, `dL/dz` written by `finish` (cross-entropy: not factored)
-        impls["torch_kl/triton-unfactored"] = Impl("torch", _torch_kl_without("factored", "factored_topk"))
+        impls["torch_kl/triton-unfactored"] = Impl("torch", _torch_kl_variant(factored=None, factored_topk=None))
+        # at an unaligned vocabulary, each cuBLAS GEMM over every column at once (--vocab)
+        impls["torch_kl/triton-whole-vocab-gemms"] = Impl("torch", _torch_kl_variant(split_vocab_gemms=False))
         impls["torch_kl/triton-unchecked"] = Impl("torch", _torch_kl_unchecked)
     for package, backend, wrap in (("torch_kl", "triton", _autograd), ("jax_kl", "pallas", _jitted)):
         if f"{package}/{backend}" in impls:

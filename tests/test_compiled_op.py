@@ -48,3 +48,5 @@ def test_the_op_decodes_what_it_was_given(loss: Loss, run: RunOptions, backend: 
     values, floats, ints, joined = _encode(loss, run, Layout(), resolved)
     assert all(type(f) is float for f in values + floats) and all(type(i) is int for i in ints)
     assert _decode(values, floats, ints, joined) == (loss, run, Layout(), resolved)
+    variant = dataclasses.replace(resolved, split_vocab_gemms=False, phases=None)  # a switch and a part off
+    assert _decode(*_encode(loss, run, Layout(), variant)) == (loss, run, Layout(), variant)

@@ -10,6 +10,7 @@ from harness import TORCH_BACKENDS, Outputs, assert_matches, make_inputs, run, t
 import torch_kl
 import torch_kl.backends
 import torch_kl.driver
+import torch_kl.gemm
 from torch_kl.backends import torch_phases
 
 NAMES = [b.split("/")[1] for b in TORCH_BACKENDS]
@@ -60,7 +61,7 @@ class _Spy:
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.write_grad: list[bool] = []
         self.weight_gemms = 0
-        finish, accumulate = torch_phases.finish, torch_kl.driver._accumulate
+        finish, accumulate = torch_phases.finish, torch_kl.gemm.accumulate
 
         def spy_finish(*args):
             self.write_grad.append(args[-1])
@@ -71,7 +72,7 @@ class _Spy:
             return accumulate(*args, **kwargs)
 
         monkeypatch.setattr(torch_phases, "finish", spy_finish)
-        monkeypatch.setattr(torch_kl.driver, "_accumulate", spy_accumulate)
+        monkeypatch.setattr(torch_kl.gemm, "accumulate", spy_accumulate)
 
 
 def test_loss_only_without_grad(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -5,13 +5,16 @@ that row stride at an unaligned ``V``, never writes the padding, and the results
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
-from harness import assert_matches, make_inputs, run
+from harness import assert_matches, make_inputs, run, torch_tensors
 
+import torch_kl
 from fused_kl.loss import Loss
 from fused_kl.plan import ROW_STRIDE_MULTIPLE, padded_row_stride
-from torch_kl import teachers
+from torch_kl import backends, gemm, teachers
 from torch_kl.backends import torch_phases, triton_factored, triton_logits, triton_phases
 from torch_kl.driver import chunk_buffer
 from torch_kl.teachers import dense_chunk
@@ -159,3 +162,58 @@ def test_torchs_gemms_write_and_read_padded_rows_in_place():
     dense = (x @ w.t()).contiguous()
     torch.testing.assert_close(grad_x, dense @ w)
     torch.testing.assert_close(grad_w, dense.t() @ x)
+
+
+@pytest.mark.parametrize(
+    ("v", "split", "parts"),
+    [(131, True, ((0, 128), (128, 131))), (131, False, ((0, 131),)), (128, True, ((0, 128),)), (40, True, ((0, 40),))],
+)
+def test_the_gemms_take_the_aligned_columns_and_the_rest_apart(v, split, parts):
+    assert tuple((p.start, p.stop) for p in gemm.vocab_parts(v, split)) == parts
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_split_gemms_give_the_whole_gemms_and_leave_the_padding_alone(dtype):
+    """At V = 131 the GEMMs run over columns [0, 128) and [128, 131): the logits, ``grad_x`` (the
+    parts summed in float32, rounded once), ``grad_weight``'s accumulation over two chunks and the
+    factored path's float32 product equal one GEMM over every column."""
+    gen = torch.Generator().manual_seed(3)
+    v, parts = 131, gemm.vocab_parts(131, True)
+    x, w, b = (torch.randn(*s, generator=gen).to(dtype) for s in ((6, 16), (v, 16), (v,)))
+    wide = torch.full((6, padded_row_stride(v)), float("nan"), dtype=dtype)
+    z = gemm.logits(x, w, b, wide[:, :v], parts)
+    assert wide[:, v:].isnan().all()
+    whole = torch.addmm(b.float(), x.float(), w.float().t())
+    tol = dict(atol=0.0, rtol=0.0) if dtype == torch.float32 else dict(atol=0.1, rtol=1e-2)
+    torch.testing.assert_close(z.float(), whole, **(tol if dtype != torch.float32 else dict(atol=1e-5, rtol=1e-5)))
+    gx = torch.empty(6, 16, dtype=dtype)
+    gemm.grad_x(z, w, gx, parts)
+    exact = z.double() @ w.double()
+    assert gx.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(gx.double(), exact, atol=1e-4, rtol=1e-5)
+    else:  # rounded once: within half a unit in the last place, at most 2**-8 of the value
+        assert ((gx.double() - exact).abs() <= 2.0**-8 * exact.abs() + 1e-4).all()
+    torch.testing.assert_close(gemm.mm_f32(z, w, parts).double(), exact, atol=1e-3, rtol=1e-4)
+    acc = torch.full((v, 16), float("nan"), dtype=torch.float32)
+    gemm.accumulate(acc, z, x, True, parts)
+    gemm.accumulate(acc, z, x, False, parts)
+    rtol = 1e-5 if dtype == torch.float32 else 1e-2  # a product in bfloat16 where the CPU's GEMM makes one
+    torch.testing.assert_close(acc.double(), 2 * z.double().t() @ x.double(), atol=1e-3, rtol=rtol)
+
+
+def test_the_loss_is_the_same_with_the_gemms_split_or_whole():
+    inp = make_inputs(n=12, h=8, v=131, target_format="logits", bias=True)
+    split = backends.resolve("torch", CPU)
+    results = []
+    for backend in (split, dataclasses.replace(split, split_vocab_gemms=False)):
+        t = torch_tensors(inp, requires_grad=True)
+        arrays = {k: t[k].detach().requires_grad_() for k in ("x", "weight", "bias")}
+        loss = torch_kl.fused_linear_kl_div(
+            arrays["x"], arrays["weight"], t["target"], t["labels"], bias=arrays["bias"],
+            target_format="logits", chunk_size=5, backend=backend,
+        )  # fmt: skip
+        loss.backward()
+        results.append([loss.detach(), *(a.grad for a in arrays.values())])
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)

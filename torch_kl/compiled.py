@@ -25,13 +25,17 @@ from .backends import REGISTRY, Backend
 from .layout import Layout
 from .teachers import TeacherArrays
 
-# What a Backend runs, crossing the op as import paths: ``module`` or ``module:function``.
+# What a Backend runs, crossing the op as import paths (``module`` or ``module:function``) and
+# its switches as ``True``/``False``.
 _PARTS = tuple(f.name for f in dataclasses.fields(Backend) if f.name != "entry")
+_SWITCHES = {"True": True, "False": False}
 
 
 def _path(part: object) -> str:
     if part is None:
         return ""
+    if isinstance(part, bool):
+        return str(part)
     if isinstance(part, types.ModuleType):
         return part.__name__
     return f"{part.__module__}:{part.__name__}"  # type: ignore[attr-defined]
@@ -40,6 +44,8 @@ def _path(part: object) -> str:
 def _load(path: str) -> object:
     if not path:
         return None
+    if path in _SWITCHES:
+        return _SWITCHES[path]
     module, _, name = path.partition(":")
     found = importlib.import_module(module)
     return getattr(found, name) if name else found

@@ -19,58 +19,13 @@ from fused_kl.loss import Loss
 from fused_kl.options import Needs, RunOptions
 from fused_kl.plan import padded_row_stride, plan_chunks
 
-from . import teachers
+from . import gemm, teachers
 from .layout import Layout
 from .ops import OPS
 from .teachers import TeacherArrays
 
 if TYPE_CHECKING:
     from .backends import Backend
-
-
-_OUT_DTYPE: dict[tuple[str, torch.dtype], bool] = {}
-
-
-def _has_out_dtype(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether ``torch.mm``/``torch.addmm`` take ``out_dtype=float32`` for ``dtype`` operands here
-    (CUDA): a float32 accumulator is then written by the GEMM itself."""
-    key = (device.type, dtype)
-    if key not in _OUT_DTYPE:
-        a = torch.zeros(1, 1, dtype=dtype, device=device)
-        acc = torch.zeros(1, 1, device=device)
-        try:
-            torch.mm(a, a, out_dtype=torch.float32, out=acc)
-            torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)
-            _OUT_DTYPE[key] = True
-        except (TypeError, RuntimeError, NotImplementedError):
-            _OUT_DTYPE[key] = False
-    return _OUT_DTYPE[key]
-
-
-def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
-    """``acc (+)= a @ b`` accumulated in ``acc``'s dtype; the first product overwrites ``acc``
-    (no zero fill) when the GEMM can write its dtype."""
-    if acc.dtype == a.dtype:
-        if first:
-            torch.mm(a, b, out=acc)
-        else:
-            acc.addmm_(a, b)
-    elif _has_out_dtype(acc.device, a.dtype):
-        if first:
-            torch.mm(a, b, out_dtype=acc.dtype, out=acc)
-        else:
-            torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
-    else:
-        if first:
-            acc.zero_()
-        acc.add_(torch.mm(a, b))
-
-
-def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` accumulated and written in float32."""
-    if _has_out_dtype(a.device, a.dtype):
-        return torch.mm(a, b, out_dtype=torch.float32)
-    return torch.mm(a.float(), b.float())
 
 
 @dataclass
@@ -137,10 +92,12 @@ def _factored_chunk(
     if grads.x is None and grads.weight is None:
         return losses
     alpha = factored.settle(z, tiles, stats, q_factor, c_hard, y_local, loss, sparse, OPS.set_at)
+    parts = gemm.vocab_parts(z.shape[1], backend.split_vocab_gemms)
     if grads.x is not None:
-        factored.scale_rows(_mm_f32(z, weight), alpha, grads.x[start : start + z.shape[0]])
+        factored.scale_rows(gemm.mm_f32(z, weight, parts), alpha, grads.x[start : start + z.shape[0]])
     if grads.weight is not None:
-        _accumulate(grads.weight, z.t(), factored.scale_rows(xc, alpha, torch.empty_like(xc)), first=start == 0)
+        scaled = factored.scale_rows(xc, alpha, torch.empty_like(xc))
+        gemm.accumulate(grads.weight, z, scaled, start == 0, parts)
     return losses
 
 
@@ -189,6 +146,7 @@ def forward(
     buf = chunk_buffer(rows, v, x.dtype, dev)  # logits, then dL/dz in place
     t_buf = chunk_buffer(plan.block_rows, v, teacher.target.dtype, dev) if loss.teacher_head else None
     fused_logits, factored = backend.fused_logits, backend.factored
+    parts = gemm.vocab_parts(v, backend.split_vocab_gemms)
 
     def logits(start: int, stop: int) -> tuple:
         """The chunk's logits GEMM, which reads no label nor token id: ``(E's (stats, tiles) if
@@ -200,14 +158,11 @@ def forward(
             return exp, None
         stats = None if fused_logits is None else fused_logits(xc, weight, bias, loss, z)
         if stats is None:  # the backend has no fused logits GEMM, or not for these operands
-            if bias is None:
-                torch.mm(xc, weight.t(), out=z)
-            else:
-                torch.addmm(bias, xc, weight.t(), out=z)
+            gemm.logits(xc, weight, bias, z, parts)
         return exp, stats
 
     def teacher_block(start: int, stop: int) -> torch.Tensor | None:
-        return teachers.dense_chunk(loss, teacher, start, stop, t_buf, backend.plain_logits)
+        return teachers.dense_chunk(loss, teacher, start, stop, t_buf, backend.plain_logits, parts)
 
     # The first chunk's GEMMs (its first teacher block's, then the student's) are queued before
     # the host waits for the eager value check (``ready``) and before the call's small setup
@@ -256,9 +211,9 @@ def forward(
                 None if local_stats is None else local_stats[at],
             )  # fmt: skip
         if grads.x is not None:
-            torch.mm(z, weight, out=grads.x[start:stop])
+            gemm.grad_x(z, weight, grads.x[start:stop], parts)
         if grads.weight is not None:
-            _accumulate(grads.weight, z.t(), xc, first=start == 0)
+            gemm.accumulate(grads.weight, z, xc, start == 0, parts)
         if grads.bias is not None:
             grads.bias.add_(z.sum(0, dtype=torch.float32))
 

@@ -14,6 +14,8 @@ import torch
 
 from fused_kl.loss import Loss
 
+from .gemm import logits as cublas_logits
+
 
 @dataclass
 class TeacherArrays:
@@ -26,11 +28,13 @@ class TeacherArrays:
 
 
 def dense_chunk(
-    loss: Loss, arrays: TeacherArrays, start: int, stop: int, buf: torch.Tensor | None, gemm: Callable | None = None
+    loss: Loss, arrays: TeacherArrays, start: int, stop: int, buf: torch.Tensor | None, gemm: Callable | None = None,
+    parts: tuple[slice, ...] | None = None,
 ):
     """The rows' dense ``[rows, V]`` teacher (a view, or the head's logits in ``buf``), or None.
     ``gemm(x, weight, bias, out)``, a backend's logits GEMM, makes the head's logits if it
-    takes the operands (returns True); else cuBLAS does."""
+    takes the operands (returns True); else cuBLAS does, over the vocabulary's ``parts``
+    (``torch_kl.gemm.vocab_parts``; all at once if None)."""
     if loss.teacher is None or loss.teacher.dense_format is None or not loss.soft:
         return None
     rows = arrays.target[start:stop]  # type: ignore[index]
@@ -39,6 +43,4 @@ def dense_chunk(
     out = buf[: stop - start]  # type: ignore[index]
     if gemm is not None and gemm(rows, arrays.weight, arrays.bias, out):
         return out
-    if arrays.bias is None:
-        return torch.mm(rows, arrays.weight.t(), out=out)  # type: ignore[union-attr]
-    return torch.addmm(arrays.bias, rows, arrays.weight.t(), out=out)  # type: ignore[union-attr]
+    return cublas_logits(rows, arrays.weight, arrays.bias, out, parts or (slice(None),))  # type: ignore[arg-type]

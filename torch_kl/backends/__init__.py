@@ -68,7 +68,9 @@ class Backend(NamedByEntry):
     ``factored_topk``: a top-k teacher's part of such a chunk in one kernel (``triton_topk``),
     for a vocabulary on one device, or None;
     ``scale_grad(grad, g)``: backward's in-place ``grad *= g`` on the device (``rescale``), or
-    None for torch's multiply."""
+    None for torch's multiply;
+    ``split_vocab_gemms``: at a vocabulary not a multiple of 64, the cuBLAS GEMMs run over its
+    aligned columns and the rest apart (``torch_kl.gemm.vocab_parts``; False prices that)."""
 
     entry: Registered
     compute: Compute
@@ -78,6 +80,7 @@ class Backend(NamedByEntry):
     factored: ModuleType | None = None
     factored_topk: Callable | None = None
     scale_grad: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    split_vocab_gemms: bool = True
 
 
 # Plain import statements, not importlib: torch.compile traces through them.

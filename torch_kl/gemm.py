@@ -1,0 +1,100 @@
+"""The chunk driver's cuBLAS GEMMs (mirror of ``jax_kl/gemm.py``): the logits where no fused
+GEMM takes them, ``grad_x`` and the ``grad_weight`` accumulation.
+
+Every one of them has the vocabulary as a dimension. cuBLAS documents that its tensor-core
+kernels run best when every dimension is a multiple of 16 bytes; the chunk buffers' row stride
+is already aligned (``fused_kl.plan.padded_row_stride``), and at an unaligned vocabulary the
+GEMMs are made over its aligned columns and over the few columns left apart (``parts``, from
+:func:`vocab_parts`): row ranges of the head and of ``grad_weight`` are views, so nothing is
+copied. ``grad_x`` sums both parts in float32 and is rounded once, as a single GEMM would be.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fused_kl.plan import ROW_STRIDE_MULTIPLE
+
+_OUT_DTYPE: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def vocab_parts(v: int, split: bool) -> tuple[slice, ...]:
+    """The vocabulary's columns as the GEMMs take them: with ``split``, the largest multiple of
+    ``ROW_STRIDE_MULTIPLE`` and then the rest, where both are non-empty; else all at once."""
+    aligned = v - v % ROW_STRIDE_MULTIPLE
+    return (slice(0, aligned), slice(aligned, v)) if split and 0 < aligned < v else (slice(0, v),)
+
+
+def has_out_dtype(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch.mm``/``torch.addmm`` take ``out_dtype=float32`` for ``dtype`` operands here
+    (CUDA): a float32 accumulator is then written by the GEMM itself."""
+    key = (device.type, dtype)
+    if key not in _OUT_DTYPE:
+        a = torch.zeros(1, 1, dtype=dtype, device=device)
+        acc = torch.zeros(1, 1, device=device)
+        try:
+            torch.mm(a, a, out_dtype=torch.float32, out=acc)
+            torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)
+            _OUT_DTYPE[key] = True
+        except (TypeError, RuntimeError, NotImplementedError):
+            _OUT_DTYPE[key] = False
+    return _OUT_DTYPE[key]
+
+
+def _accumulate_one(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
+    if acc.dtype == a.dtype:
+        if first:
+            torch.mm(a, b, out=acc)
+        else:
+            acc.addmm_(a, b)
+    elif has_out_dtype(acc.device, a.dtype):
+        if first:
+            torch.mm(a, b, out_dtype=acc.dtype, out=acc)
+        else:
+            torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+    else:
+        if first:
+            acc.zero_()
+        acc.add_(torch.mm(a, b))
+
+
+def accumulate(acc: torch.Tensor, g: torch.Tensor, xc: torch.Tensor, first: bool, parts: tuple[slice, ...]) -> None:
+    """``acc (+)= gᵀ xc`` (``acc`` ``[V, H]``, ``g`` ``[rows, V]``) in ``acc``'s dtype, one GEMM per
+    part of the vocabulary; the first chunk's product overwrites ``acc`` (no zero fill)."""
+    for cols in parts:
+        _accumulate_one(acc[cols], g[:, cols].t(), xc, first)
+
+
+def mm_f32(g: torch.Tensor, weight: torch.Tensor, parts: tuple[slice, ...]) -> torch.Tensor:
+    """``g @ weight`` accumulated and written in float32, summed over the vocabulary's parts."""
+    native = has_out_dtype(g.device, g.dtype)
+    out: torch.Tensor | None = None
+    for cols in parts:
+        a, b = g[:, cols], weight[cols]
+        if native:
+            f32 = torch.float32
+            out = torch.mm(a, b, out_dtype=f32) if out is None else torch.addmm(out, a, b, out_dtype=f32, out=out)
+        else:
+            a, b = a.float(), b.float()
+            out = torch.mm(a, b) if out is None else out.addmm_(a, b)
+    assert out is not None  # parts is never empty
+    return out
+
+
+def grad_x(g: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, parts: tuple[slice, ...]) -> None:
+    """``out = g @ weight``, rounded once to ``out``'s dtype."""
+    if len(parts) == 1:
+        torch.mm(g, weight, out=out)
+    else:
+        out.copy_(mm_f32(g, weight, parts))
+
+
+def logits(xc: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, z: torch.Tensor,
+           parts: tuple[slice, ...]) -> torch.Tensor:  # fmt: skip
+    """``z = xc weightᵀ (+ bias)``, one GEMM per part of the vocabulary's columns."""
+    for cols in parts:
+        if bias is None:
+            torch.mm(xc, weight[cols].t(), out=z[:, cols])
+        else:
+            torch.addmm(bias[cols], xc, weight[cols].t(), out=z[:, cols])
+    return z
