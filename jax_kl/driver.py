@@ -19,7 +19,7 @@ from fused_kl import rowmath
 from fused_kl.chunk import row_phases
 from fused_kl.loss import Loss
 from fused_kl.options import Needs, RunOptions
-from fused_kl.plan import plan_chunks
+from fused_kl.plan import ROW_STRIDE_MULTIPLE, plan_chunks
 
 from . import teachers
 from .gemm import dot
@@ -68,6 +68,7 @@ def forward(
     v = weight.shape[0]
     v0, v_total = layout.vocab_start(v), v * layout.vocab_shards
     plan = plan_chunks(n, v, x.dtype.itemsize, run.chunk_size, loss.teacher_head)
+    transposed = backend.transposed_logits and v % ROW_STRIDE_MULTIPLE != 0
 
     keep = jnp.ones(n, bool) if labels is None else labels != loss.ignore_index
     kept = layout.batch_sum(jnp.sum(keep, dtype=jnp.float32))
@@ -89,10 +90,7 @@ def forward(
         (xc, hidden, grad_x), _ = lax.optimization_barrier(
             ((x[start:stop], _hidden_rows(loss, teacher, start, stop), grad_x), done)
         )
-        if bias is None:
-            z = dot(xc, weight, (1, 1), x.dtype)
-        else:
-            z = (dot(xc, weight, (1, 1), jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
+        z = _logits(xc, weight, bias, x.dtype, transposed)
         t = teachers.dense_chunk(loss, teacher, start, hidden)
         y = None if hard_labels is None else hard_labels[start:stop]
         rw = None if row_weight is None else row_weight[start:stop]
@@ -105,10 +103,18 @@ def forward(
         row_losses.append(row_loss)
         own_losses.append(own_loss)
         done = row_loss
-        if needs.x:
-            grad_x = lax.dynamic_update_slice(grad_x, dot(g, weight, (1, 0), x.dtype), (start, 0))
-        if needs.weight:
-            grad_w = _add_grad_weight(grad_w, g, xc, accum, backend.in_place_grad_weight)
+        if transposed and (needs.x or needs.weight):
+            # dL/dz as [V, rows] in memory: the gradient GEMMs read aligned rows whatever V
+            g_t = lax.optimization_barrier(g.T)
+            if needs.x:
+                grad_x = lax.dynamic_update_slice(grad_x, dot(g_t, weight, (0, 0), x.dtype), (start, 0))
+            if needs.weight:
+                grad_w = _add(grad_w, dot(g_t, xc, (1, 0), accum))
+        else:
+            if needs.x:
+                grad_x = lax.dynamic_update_slice(grad_x, dot(g, weight, (1, 0), x.dtype), (start, 0))
+            if needs.weight:
+                grad_w = _add_grad_weight(grad_w, g, xc, accum, backend.in_place_grad_weight)
         if needs.bias:
             grad_b = _add(grad_b, jnp.sum(g, axis=0, dtype=jnp.float32))
         if needs.weight or needs.bias:
@@ -132,6 +138,18 @@ def forward(
     grad_w = None if grad_w is None else unscaled(grad_w, weight.dtype)
     grad_b = None if grad_b is None else unscaled(grad_b, bias.dtype)  # type: ignore[union-attr]
     return total, rows, grad_x, grad_w, grad_b
+
+
+def _logits(xc: jax.Array, weight: jax.Array, bias: jax.Array | None, dtype, transposed: bool) -> jax.Array:
+    """The chunk's logits ``xc weightᵀ (+ bias)``, ``[rows, V]``; ``transposed``: made as
+    ``[V, rows]`` (every leading dimension of the GEMM aligned whatever V) and seen transposed."""
+    if transposed:
+        if bias is None:
+            return dot(weight, xc, (1, 1), dtype).T
+        return (dot(weight, xc, (1, 1), jnp.float32) + bias.astype(jnp.float32)[:, None]).astype(dtype).T
+    if bias is None:
+        return dot(xc, weight, (1, 1), dtype)
+    return (dot(xc, weight, (1, 1), jnp.float32) + bias.astype(jnp.float32)).astype(dtype)
 
 
 def _hidden_rows(loss: Loss, teacher: TeacherArrays, start: int, stop: int) -> jax.Array | None:

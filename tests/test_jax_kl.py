@@ -254,3 +254,29 @@ def test_numpy_inputs_not_modified(backend: str) -> None:
     jax.grad(f, argnums=(0, 1, 2))(x, w, b)
     for a, old in zip(arrays, before, strict=True):
         assert np.array_equal(a, old)
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
+@pytest.mark.parametrize("fn", ["kl_div", "cross_entropy"])
+def test_logits_made_transposed_at_an_unaligned_vocabulary_give_the_same_results(backend: str, fn: str) -> None:
+    """``Backend.transposed_logits``: at V = 131 a chunk's logits and ``dL/dz`` live as
+    ``[V, rows]``; the loss and every gradient are the default's."""
+    inp = make_inputs(10, 8, 131, bias=True, target_format="logits")
+    x, w, t, lab, b = _arrays(inp)
+    resolved = jax_kl.backends.resolve(backend)
+    options = dict(weight_hard_loss=0.5, z_loss_weight=1e-2, chunk_size=4) if fn == "kl_div" else dict(chunk_size=4)
+
+    def loss(x, w, b, chosen):
+        if fn == "kl_div":
+            return jax_kl.fused_linear_kl_div(x, w, t, lab, bias=b, target_format="logits", backend=chosen, **options)
+        return jax_kl.fused_linear_cross_entropy(x, w, lab, bias=b, backend=chosen, **options)
+
+    results = [
+        jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)), static_argnums=3)(x, w, b, chosen)
+        for chosen in (resolved, replace(resolved, transposed_logits=True))
+    ]
+    for a, c in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1]), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=1e-5, atol=1e-6)
+    programs = [str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)), static_argnums=3)(x, w, b, chosen))
+                for chosen in (resolved, replace(resolved, transposed_logits=True))]  # fmt: skip
+    assert "f32[131,4]" not in programs[0] and "f32[131,4]" in programs[1]  # a [V, rows] chunk
