@@ -13,8 +13,12 @@ row per backend of ``torch_kl.backends.REGISTRY`` and of ``jax_kl.backends.REGIS
 ``torch_kl``'s default backend with fp32 accumulation and with the low-memory chunk size, and
 the A/B rows that price one optimisation each: ``torch_kl/triton-cublas-logits`` (no fused
 logits GEMM), ``-unfactored`` (``dL/dz`` written by ``finish``), ``-unchecked`` (no eager value
-checks), and ``jax_kl/pallas-cublas``, ``pallas_triton-cublas`` (XLA's Triton GEMMs off). A variant
-of a backend is its resolved value with fields replaced (``dataclasses.replace``), passed as
+checks), ``-whole-vocab-gemms`` (at an unaligned vocabulary, each cuBLAS GEMM over every column
+at once), ``jax_kl/pallas-cublas``, ``pallas_triton-cublas`` (XLA's Triton GEMMs off) and
+``jax_kl/pallas+transposed-logits`` (at an unaligned vocabulary, the chunk as ``[V, rows]``); and
+what the loss's options cost: ``torch_kl/triton+row-weights`` and ``jax_kl/pallas+row-weights``
+(a weight per row, the per-row losses returned), ``+z-loss`` (cross-entropy only). A variant of a
+backend is its resolved value with fields replaced (``dataclasses.replace``), passed as
 ``backend=``.
 """
 
@@ -188,7 +192,8 @@ def _jax_kl_variant(**fields: Any) -> Callable[[Mode], LossFn]:
 
 def _with_row_weights(package: str, backend: str, mode: Mode) -> LossFn:
     """``backend`` with a weight per row and the per-row losses returned: what the two cost, priced
-    beside the plain call. The weights (in [0.5, 1.5)) are made inside the call: ``N`` values."""
+    beside the plain call. The weights (0.5 to 1.5) are made inside the call: ``N`` values. The
+    row losses enter the value at weight 0, so that XLA cannot drop them."""
     loss = _fused(package, mode, backend=backend, return_row_losses=True)
     if package == "torch_kl":
 
@@ -200,7 +205,11 @@ def _with_row_weights(package: str, backend: str, mode: Mode) -> LossFn:
         def weights(x: Any) -> Any:
             return (jnp.arange(x.shape[0]) % 5) * 0.25 + 0.5
 
-    return lambda x, w, a: loss(x, w, a | {"row_weight": weights(x)})[0]
+    def with_rows(x: Any, w: Any, a: dict[str, Any]) -> Any:
+        value, rows = loss(x, w, a | {"row_weight": weights(x)})
+        return value + 0.0 * rows.sum()
+
+    return with_rows
 
 
 def _with_z_loss(package: str, backend: str, mode: Mode) -> LossFn:

@@ -8,7 +8,7 @@ N and draws ``results.png``: × floor and effective TFLOP/s per mode, memory bey
 (the variants of a library's rows, such as ``torch_kl/triton+z-loss``, in the tables only).
 To add a run: ``--add bench_out/results.json --commit <sha>`` puts its rows in the data (each
 replaces the row of the same mode, head, N and implementation; a floor row stays while a row
-measured beside it does), then prints and draws as always.
+measured at its commit does), then prints and draws as always.
 """
 
 from __future__ import annotations
@@ -63,9 +63,9 @@ def markdown(rows: Sequence[dict[str, str]]) -> str:
 
 
 def _variant(impl: str) -> bool:
-    """A variant of a library's row (``torch_kl/triton+z-loss``, ``torch_kl-lowmem``): tables only."""
-    package = impl.split("/")[0]
-    return "+" in impl or (package.startswith(("torch_kl", "jax_kl")) and package not in ("torch_kl", "jax_kl"))
+    """A variant of a library's row (``torch_kl/triton+z-loss``, ``torch_kl-lowmem``,
+    ``jax_kl/pallas-cublas``): tables only."""
+    return "+" in impl or (impl.startswith(("torch_kl", "jax_kl")) and "-" in impl)
 
 
 def plot(rows: Sequence[dict[str, str]], n: int, path: Path) -> None:
@@ -110,21 +110,29 @@ def _fmt(value: float | None, digits: int) -> str:
     return "" if value is None else f"{value:.{digits}g}"
 
 
+def _error(value: float | None) -> str:
+    return "" if value is None else f"{value:.1e}"
+
+
 def added(rows: Sequence[dict[str, str]], run: dict, commit: str, date: str) -> list[dict[str, str]]:
     """``rows`` with a bench run's (``results.json``) measured rows in: each replaces the row of
-    the same mode, head, N and implementation; a floor row stays while a row of its run does."""
+    the same mode, head, N and implementation; a floor row stays while a row measured at its
+    commit does (the later run's floor where two runs share a commit)."""
     config, mode = run["meta"]["config"], run["meta"]["config"]["mode"]
+    if "floor" not in config["impls"]:
+        raise ValueError("--add: a run without the floor has no ratios; run the bench with floor in --impls")
     timing = f"{config['timing']['rep_ms']:g}/{config['timing']['warmup_ms']:g}"
     def cells(r: dict) -> tuple[str, ...]:
         return (
             mode, r["head"], str(r["n"]), r["impl"], _fmt(r["ms"], 4), f"{r['x_floor']:.2f}", _fmt(r["tflops"], 3),
-            _fmt(r["peak_gib"], 3), _fmt(r["beyond_grads_gib"], 3), _fmt(r["err_grad_weight"], 2),
-            _fmt(r["err_grad_x"], 2), commit, date, timing,
+            _fmt(r["peak_gib"], 3), _fmt(r["beyond_grads_gib"], 3), _error(r["err_grad_weight"]),
+            _error(r["err_grad_x"]), commit, date, timing,
         )  # fmt: skip
 
     new = [dict(zip(FIELDS, cells(r), strict=True)) for r in run["rows"] if r["status"] == "ok"]
-    key = lambda r: (r["mode"], r["head"], r["n"], r["impl"])
-    replaced = {key(r) for r in new if r["impl"] != "floor"}
+    # A floor row is one run's; two runs at one commit share the later one's.
+    key = lambda r: (r["mode"], r["head"], r["n"], r["impl"]) + ((r["commit"],) if r["impl"] == "floor" else ())
+    replaced = {key(r) for r in new}
     kept = [r for r in rows if key(r) not in replaced] + new
     runs = {(r["mode"], r["head"], r["n"], r["commit"]) for r in kept if r["impl"] != "floor"}
     return [r for r in kept if r["impl"] != "floor" or (r["mode"], r["head"], r["n"], r["commit"]) in runs]

@@ -68,7 +68,7 @@ def forward(
     v = weight.shape[0]
     v0, v_total = layout.vocab_start(v), v * layout.vocab_shards
     plan = plan_chunks(n, v, x.dtype.itemsize, run.chunk_size, loss.teacher_head)
-    transposed = backend.transposed_logits and v % ROW_STRIDE_MULTIPLE != 0
+    unaligned = backend.transposed_logits and v % ROW_STRIDE_MULTIPLE != 0
 
     keep = jnp.ones(n, bool) if labels is None else labels != loss.ignore_index
     kept = layout.batch_sum(jnp.sum(keep, dtype=jnp.float32))
@@ -90,12 +90,14 @@ def forward(
         (xc, hidden, grad_x), _ = lax.optimization_barrier(
             ((x[start:stop], _hidden_rows(loss, teacher, start, stop), grad_x), done)
         )
-        z = _logits(xc, weight, bias, x.dtype, transposed)
         t = teachers.dense_chunk(loss, teacher, start, hidden)
         y = None if hard_labels is None else hard_labels[start:stop]
         rw = None if row_weight is None else row_weight[start:stop]
         topk = None if teacher.indices is None else (teacher.target[start:stop], teacher.indices[start:stop])
-        phases = backend.chunk_phases(z, t)
+        phases = backend.chunk_phases(jax.ShapeDtypeStruct((stop - start, v), x.dtype), t)
+        # Only phases of whole-array jnp ops read the logits in whatever layout XLA gives them.
+        transposed = unaligned and phases.ANY_LAYOUT
+        z = _logits(xc, weight, bias, x.dtype, transposed)
         g, row_loss, own_loss = row_phases(
             z, t, y, keep[start:stop], rw, rowmath.RowScales(*(s[start:stop] for s in scales)), topk, v0, v_total,
             weights, loss, layout, phases, plan.tile, needs.any, OPS,
@@ -103,20 +105,18 @@ def forward(
         row_losses.append(row_loss)
         own_losses.append(own_loss)
         done = row_loss
-        if transposed and (needs.x or needs.weight):
+        vocab = 1  # g's vocabulary axis
+        if transposed and needs.any:
             # dL/dz as [V, rows] in memory: the gradient GEMMs read aligned rows whatever V
-            g_t = lax.optimization_barrier(g.T)
-            if needs.x:
-                grad_x = lax.dynamic_update_slice(grad_x, dot(g_t, weight, (0, 0), x.dtype), (start, 0))
-            if needs.weight:
-                grad_w = _add(grad_w, dot(g_t, xc, (1, 0), accum))
-        else:
-            if needs.x:
-                grad_x = lax.dynamic_update_slice(grad_x, dot(g, weight, (1, 0), x.dtype), (start, 0))
-            if needs.weight:
-                grad_w = _add_grad_weight(grad_w, g, xc, accum, backend.in_place_grad_weight)
+            g, vocab = lax.optimization_barrier(g.T), 0
+        if needs.x:
+            grad_x = lax.dynamic_update_slice(grad_x, dot(g, weight, (vocab, 0), x.dtype), (start, 0))
+        if needs.weight and vocab == 0:
+            grad_w = _add(grad_w, dot(g, xc, (1, 0), accum))
+        elif needs.weight:
+            grad_w = _add_grad_weight(grad_w, g, xc, accum, backend.in_place_grad_weight)
         if needs.bias:
-            grad_b = _add(grad_b, jnp.sum(g, axis=0, dtype=jnp.float32))
+            grad_b = _add(grad_b, jnp.sum(g, axis=1 - vocab, dtype=jnp.float32))
         if needs.weight or needs.bias:
             done = (grad_w, grad_b)  # grad_x passes the next barrier itself
 

@@ -282,8 +282,9 @@ def test_a_bench_run_added_to_the_data_replaces_its_rows_and_keeps_the_floors_st
     data = tmp_path / "results.csv"
     results.save([row("floor", "old", "38"), row("torch_kl/triton", "old", "41"), row("liger", "old", "44")], data)
     measured = dict(status="ok", peak_gib=None, beyond_grads_gib=None, err_grad_weight=None, err_grad_x=None, note="")
+    timing = {"rep_ms": 400.0, "warmup_ms": 100.0}
     run = {
-        "meta": {"config": {"mode": "kl", "timing": {"rep_ms": 400.0, "warmup_ms": 100.0}}},
+        "meta": {"config": {"mode": "kl", "impls": ["floor", "torch_kl/triton"], "timing": timing}},
         "rows": [
             dict(measured, head="llama3-8b", n=8192, impl="floor", ms=37.5, x_floor=1.0, tflops=687.0),
             dict(measured, head="llama3-8b", n=8192, impl="torch_kl/triton", ms=39.9, x_floor=1.064, tflops=646.2),

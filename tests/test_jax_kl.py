@@ -256,14 +256,31 @@ def test_numpy_inputs_not_modified(backend: str) -> None:
         assert np.array_equal(a, old)
 
 
-@pytest.mark.parametrize("backend", ["xla", "pallas"])
+def _as_on_hopper():
+    """``"pallas"`` as it resolves where Mosaic GPU runs: the Mosaic kernels, the XLA phases for
+    a chunk they cannot move (every chunk at an unaligned V, which the CPU can run)."""
+    from jax_kl.backends import pallas_mosaic, xla_phases
+
+    return replace(jax_kl.backends.resolve("pallas"), phases=xla_phases, mosaic_phases=pallas_mosaic)
+
+
+# backend, whether its chunks at an unaligned V are made as [V, rows] with transposed_logits
+TRANSPOSING = {
+    "xla": (lambda: jax_kl.backends.resolve("xla"), True),
+    "pallas-on-hopper": (_as_on_hopper, True),
+    "pallas_triton": (lambda: jax_kl.backends.resolve("pallas_triton"), False),  # kernels read row-major logits
+}
+
+
+@pytest.mark.parametrize("setup", list(TRANSPOSING))
 @pytest.mark.parametrize("fn", ["kl_div", "cross_entropy"])
-def test_logits_made_transposed_at_an_unaligned_vocabulary_give_the_same_results(backend: str, fn: str) -> None:
-    """``Backend.transposed_logits``: at V = 131 a chunk's logits and ``dL/dz`` live as
-    ``[V, rows]``; the loss and every gradient are the default's."""
+def test_logits_made_transposed_at_an_unaligned_vocabulary_give_the_same_results(setup: str, fn: str) -> None:
+    """``Backend.transposed_logits``: at V = 131 a chunk the XLA phases run has its logits and
+    ``dL/dz`` as ``[V, rows]``; the loss and every gradient are the default's."""
     inp = make_inputs(10, 8, 131, bias=True, target_format="logits")
     x, w, t, lab, b = _arrays(inp)
-    resolved = jax_kl.backends.resolve(backend)
+    make, transposes = TRANSPOSING[setup]
+    resolved = make()
     options = dict(weight_hard_loss=0.5, z_loss_weight=1e-2, chunk_size=4) if fn == "kl_div" else dict(chunk_size=4)
 
     def loss(x, w, b, chosen):
@@ -271,12 +288,10 @@ def test_logits_made_transposed_at_an_unaligned_vocabulary_give_the_same_results
             return jax_kl.fused_linear_kl_div(x, w, t, lab, bias=b, target_format="logits", backend=chosen, **options)
         return jax_kl.fused_linear_cross_entropy(x, w, lab, bias=b, backend=chosen, **options)
 
-    results = [
-        jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)), static_argnums=3)(x, w, b, chosen)
-        for chosen in (resolved, replace(resolved, transposed_logits=True))
-    ]
+    chosen = (resolved, replace(resolved, transposed_logits=True))
+    results = [jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)), static_argnums=3)(x, w, b, c) for c in chosen]
     for a, c in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1]), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=1e-5, atol=1e-6)
-    programs = [str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)), static_argnums=3)(x, w, b, chosen))
-                for chosen in (resolved, replace(resolved, transposed_logits=True))]  # fmt: skip
-    assert "f32[131,4]" not in programs[0] and "f32[131,4]" in programs[1]  # a [V, rows] chunk
+    programs = [str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)), static_argnums=3)(x, w, b, c)) for c in chosen]
+    assert "f32[131,4]" not in programs[0]
+    assert ("f32[131,4]" in programs[1]) == transposes  # a [V, rows] chunk

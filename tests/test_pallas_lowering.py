@@ -1,8 +1,8 @@
 """The Pallas row kernels on a machine without a GPU: every phase of every loss kind, teacher
 format and hard-label option lowers for CUDA to a Mosaic GPU kernel and to a Triton kernel (the
 step that rejects unsupported operations and layouts; the CPU tests otherwise run the Triton
-lowering's kernels in interpret mode); the chunk checks, the grid and the fallback of
-``backend="pallas"`` to the Triton lowering. Their numbers are tested on the GPU
+lowering's kernels in interpret mode); the chunk checks, the grid, and what ``backend="pallas"``
+and ``"auto"`` resolve to with and without Mosaic GPU. Their numbers are tested on the GPU
 (``tests/test_gpu_mosaic.py``)."""
 
 from __future__ import annotations
@@ -144,8 +144,19 @@ def test_pallas_runs_the_xla_phases_where_mosaic_cannot_move_a_chunk() -> None:
     assert with_mosaic.chunk_phases(z, (jnp.zeros((64, 128), jnp.float32), 32)) is xla_phases  # teacher row 32
 
 
-def test_auto_never_picks_the_triton_lowering() -> None:
-    assert resolve("auto").entry.name == ("pallas" if mosaic_missing() is None else "xla")
+@pytest.mark.parametrize("mosaic", [True, False])
+def test_on_a_gpu_the_default_paths_never_take_the_triton_lowering(monkeypatch, mosaic: bool) -> None:
+    """On a GPU with Mosaic GPU, ``"auto"`` is ``"pallas"``, whose fallback is the XLA phases; on
+    one without, ``"auto"`` is ``"xla"`` and the Triton lowering runs only when named."""
+    import jax_kl.backends as registry
+
+    monkeypatch.setattr(registry, "_on_gpu", lambda: True)
+    monkeypatch.setattr(registry, "mosaic_missing", lambda: None if mosaic else "an older GPU")
+    auto, pallas = registry.resolve("auto"), registry.resolve("pallas")
+    if mosaic:
+        assert auto.name == "pallas" and (pallas.phases, pallas.mosaic_phases) == (xla_phases, pallas_mosaic)
+    else:
+        assert auto.name == "xla" and (pallas.phases, pallas.mosaic_phases) == (pallas_triton, None)
 
 
 def test_grad_weight_kernel_lowers_and_adds_in_place() -> None:

@@ -92,7 +92,7 @@ def _factored_chunk(
     if grads.x is None and grads.weight is None:
         return losses
     alpha = factored.settle(z, tiles, stats, q_factor, c_hard, y_local, loss, sparse, OPS.set_at)
-    parts = gemm.vocab_parts(z.shape[1], backend.split_vocab_gemms)
+    parts = gemm.vocab_parts(z.shape[1], z.element_size(), backend.split_vocab_gemms)
     if grads.x is not None:
         factored.scale_rows(gemm.mm_f32(z, weight, parts), alpha, grads.x[start : start + z.shape[0]])
     if grads.weight is not None:
@@ -146,7 +146,7 @@ def forward(
     buf = chunk_buffer(rows, v, x.dtype, dev)  # logits, then dL/dz in place
     t_buf = chunk_buffer(plan.block_rows, v, teacher.target.dtype, dev) if loss.teacher_head else None
     fused_logits, factored = backend.fused_logits, backend.factored
-    parts = gemm.vocab_parts(v, backend.split_vocab_gemms)
+    parts = gemm.vocab_parts(v, x.element_size(), backend.split_vocab_gemms)
 
     def logits(start: int, stop: int) -> tuple:
         """The chunk's logits GEMM, which reads no label nor token id: ``(E's (stats, tiles) if

@@ -18,11 +18,13 @@ from fused_kl.plan import ROW_STRIDE_MULTIPLE
 _OUT_DTYPE: dict[tuple[str, torch.dtype], bool] = {}
 
 
-def vocab_parts(v: int, split: bool) -> tuple[slice, ...]:
-    """The vocabulary's columns as the GEMMs take them: with ``split``, the largest multiple of
-    ``ROW_STRIDE_MULTIPLE`` and then the rest, where both are non-empty; else all at once."""
+def vocab_parts(v: int, itemsize: int, split: bool) -> tuple[slice, ...]:
+    """The vocabulary's columns as the GEMMs take them: with ``split`` and rows of ``v`` elements
+    of ``itemsize`` bytes not a multiple of 16 bytes, the largest multiple of
+    ``ROW_STRIDE_MULTIPLE`` columns and then the rest (where both are non-empty); else all at once."""
     aligned = v - v % ROW_STRIDE_MULTIPLE
-    return (slice(0, aligned), slice(aligned, v)) if split and 0 < aligned < v else (slice(0, v),)
+    unaligned = v * itemsize % 16 != 0
+    return (slice(0, aligned), slice(aligned, v)) if split and unaligned and 0 < aligned < v else (slice(0, v),)
 
 
 def has_out_dtype(device: torch.device, dtype: torch.dtype) -> bool:
@@ -82,8 +84,9 @@ def mm_f32(g: torch.Tensor, weight: torch.Tensor, parts: tuple[slice, ...]) -> t
 
 
 def grad_x(g: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, parts: tuple[slice, ...]) -> None:
-    """``out = g @ weight``, rounded once to ``out``'s dtype."""
-    if len(parts) == 1:
+    """``out = g @ weight``, rounded once to ``out``'s dtype: over the parts where the GEMM writes
+    float32 from ``g``'s dtype itself, else in one GEMM (no float32 copy of the head)."""
+    if len(parts) == 1 or not has_out_dtype(g.device, g.dtype):
         torch.mm(g, weight, out=out)
     else:
         out.copy_(mm_f32(g, weight, parts))

@@ -176,8 +176,8 @@ REGISTRY = {
     for b in (
         Registered(
             "pallas",
-            "the Pallas row kernels, chunked: on Mosaic GPU where it runs, else lowered through Triton"
-            " (interpreted on CPU)",
+            "the Pallas row kernels, chunked: on Mosaic GPU where it runs (the XLA phases for a chunk it cannot"
+            " move), else lowered through Triton (interpreted on CPU)",
             lambda: None,
             _pallas,
             tracks_vma=False,
