@@ -65,7 +65,7 @@ def _allocate(x, weight, needs: Needs, run: RunOptions, has_chunks: bool, out: d
 
 def _factored_chunk(
     backend: Backend, exp: tuple, z, xc, weight, y, y_local, keep, row_weight, scales: rowmath.RowScales, topk,
-    v0: int, grads: Grads, start: int, weights, loss: Loss, layout, v_total: int,
+    v0: int, grads: Grads, start: int, weights, loss: Loss, layout, v_total: int, parts: tuple[slice, ...],
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """The rows' ``(shares of the loss, own losses)`` of a chunk whose logits GEMM wrote ``E``
     (``exp``: ``exp_logits``'s ``(stats, tiles)``, ``backend.factored``), and its gradients:
@@ -92,7 +92,6 @@ def _factored_chunk(
     if grads.x is None and grads.weight is None:
         return losses
     alpha = factored.settle(z, tiles, stats, q_factor, c_hard, y_local, loss, sparse, OPS.set_at)
-    parts = gemm.vocab_parts(z.shape[1], z.element_size(), backend.split_vocab_gemms)
     if grads.x is not None:
         factored.scale_rows(gemm.mm_f32(z, weight, parts), alpha, grads.x[start : start + z.shape[0]])
     if grads.weight is not None:
@@ -194,7 +193,7 @@ def forward(
             row_loss[start:stop], own_loss[start:stop] = _factored_chunk(
                 backend, exp, z, xc, weight, y, y_local, keep[start:stop], rw,
                 rowmath.RowScales(*(s[start:stop] for s in scales)), topk, v0, grads, start, weights, loss, layout,
-                v_total,
+                v_total, parts,
             )  # fmt: skip
             continue
         local_stats = None if stats is None else stats(y_local)

@@ -6,7 +6,8 @@ kernels run best when every dimension is a multiple of 16 bytes; the chunk buffe
 is already aligned (``fused_kl.plan.padded_row_stride``), and at an unaligned vocabulary the
 GEMMs are made over its aligned columns and over the few columns left apart (``parts``, from
 :func:`vocab_parts`): row ranges of the head and of ``grad_weight`` are views, so nothing is
-copied. ``grad_x`` sums both parts in float32 and is rounded once, as a single GEMM would be.
+copied. ``grad_x`` sums both parts in float32 and is rounded once, as a single GEMM would be,
+where the GEMM writes float32 itself (elsewhere it stays one GEMM).
 """
 
 from __future__ import annotations

@@ -29,12 +29,12 @@ class TeacherArrays:
 
 def dense_chunk(
     loss: Loss, arrays: TeacherArrays, start: int, stop: int, buf: torch.Tensor | None, gemm: Callable | None = None,
-    parts: tuple[slice, ...] | None = None,
+    parts: tuple[slice, ...] = (slice(None),),
 ):
     """The rows' dense ``[rows, V]`` teacher (a view, or the head's logits in ``buf``), or None.
     ``gemm(x, weight, bias, out)``, a backend's logits GEMM, makes the head's logits if it
     takes the operands (returns True); else cuBLAS does, over the vocabulary's ``parts``
-    (``torch_kl.gemm.vocab_parts``; all at once if None)."""
+    (``torch_kl.gemm.vocab_parts``; all at once by default)."""
     if loss.teacher is None or loss.teacher.dense_format is None or not loss.soft:
         return None
     rows = arrays.target[start:stop]  # type: ignore[index]
@@ -43,4 +43,4 @@ def dense_chunk(
     out = buf[: stop - start]  # type: ignore[index]
     if gemm is not None and gemm(rows, arrays.weight, arrays.bias, out):
         return out
-    return cublas_logits(rows, arrays.weight, arrays.bias, out, parts or (slice(None),))  # type: ignore[arg-type]
+    return cublas_logits(rows, arrays.weight, arrays.bias, out, parts)  # type: ignore[arg-type]

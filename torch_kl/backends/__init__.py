@@ -69,8 +69,9 @@ class Backend(NamedByEntry):
     for a vocabulary on one device, or None;
     ``scale_grad(grad, g)``: backward's in-place ``grad *= g`` on the device (``rescale``), or
     None for torch's multiply;
-    ``split_vocab_gemms``: at a vocabulary not a multiple of 64, the cuBLAS GEMMs run over its
-    aligned columns and the rest apart (``torch_kl.gemm.vocab_parts``; False prices that)."""
+    ``split_vocab_gemms``: at a vocabulary whose rows are not a multiple of 16 bytes, the cuBLAS
+    GEMMs run over its aligned columns and the rest apart (``torch_kl.gemm.vocab_parts``; False
+    prices that)."""
 
     entry: Registered
     compute: Compute
