@@ -19,7 +19,7 @@ from fused_kl import rowmath
 from fused_kl.chunk import row_phases
 from fused_kl.loss import Loss
 from fused_kl.options import Needs, RunOptions
-from fused_kl.plan import ROW_STRIDE_MULTIPLE, plan_chunks
+from fused_kl.plan import plan_chunks
 
 from . import teachers
 from .gemm import dot
@@ -68,7 +68,6 @@ def forward(
     v = weight.shape[0]
     v0, v_total = layout.vocab_start(v), v * layout.vocab_shards
     plan = plan_chunks(n, v, x.dtype.itemsize, run.chunk_size, loss.teacher_head)
-    unaligned = backend.transposed_logits and v % ROW_STRIDE_MULTIPLE != 0
 
     keep = jnp.ones(n, bool) if labels is None else labels != loss.ignore_index
     kept = layout.batch_sum(jnp.sum(keep, dtype=jnp.float32))
@@ -94,10 +93,8 @@ def forward(
         y = None if hard_labels is None else hard_labels[start:stop]
         rw = None if row_weight is None else row_weight[start:stop]
         topk = None if teacher.indices is None else (teacher.target[start:stop], teacher.indices[start:stop])
-        phases = backend.chunk_phases(jax.ShapeDtypeStruct((stop - start, v), x.dtype), t)
-        # Only phases of whole-array jnp ops read the logits in whatever layout XLA gives them.
-        transposed = unaligned and phases.ANY_LAYOUT
-        z = _logits(xc, weight, bias, x.dtype, transposed)
+        z = _logits(xc, weight, bias, x.dtype)
+        phases = backend.chunk_phases(z, t)
         g, row_loss, own_loss = row_phases(
             z, t, y, keep[start:stop], rw, rowmath.RowScales(*(s[start:stop] for s in scales)), topk, v0, v_total,
             weights, loss, layout, phases, plan.tile, needs.any, OPS,
@@ -105,18 +102,12 @@ def forward(
         row_losses.append(row_loss)
         own_losses.append(own_loss)
         done = row_loss
-        vocab = 1  # g's vocabulary axis
-        if transposed and needs.any:
-            # dL/dz as [V, rows] in memory: the gradient GEMMs read aligned rows whatever V
-            g, vocab = lax.optimization_barrier(g.T), 0
         if needs.x:
-            grad_x = lax.dynamic_update_slice(grad_x, dot(g, weight, (vocab, 0), x.dtype), (start, 0))
-        if needs.weight and vocab == 0:
-            grad_w = _add(grad_w, dot(g, xc, (1, 0), accum))
-        elif needs.weight:
+            grad_x = lax.dynamic_update_slice(grad_x, dot(g, weight, (1, 0), x.dtype), (start, 0))
+        if needs.weight:
             grad_w = _add_grad_weight(grad_w, g, xc, accum, backend.in_place_grad_weight)
         if needs.bias:
-            grad_b = _add(grad_b, jnp.sum(g, axis=1 - vocab, dtype=jnp.float32))
+            grad_b = _add(grad_b, jnp.sum(g, axis=0, dtype=jnp.float32))
         if needs.weight or needs.bias:
             done = (grad_w, grad_b)  # grad_x passes the next barrier itself
 
@@ -140,13 +131,8 @@ def forward(
     return total, rows, grad_x, grad_w, grad_b
 
 
-def _logits(xc: jax.Array, weight: jax.Array, bias: jax.Array | None, dtype, transposed: bool) -> jax.Array:
-    """The chunk's logits ``xc weightᵀ (+ bias)``, ``[rows, V]``; ``transposed``: made as
-    ``[V, rows]`` (every leading dimension of the GEMM aligned whatever V) and seen transposed."""
-    if transposed:
-        if bias is None:
-            return dot(weight, xc, (1, 1), dtype).T
-        return (dot(weight, xc, (1, 1), jnp.float32) + bias.astype(jnp.float32)[:, None]).astype(dtype).T
+def _logits(xc: jax.Array, weight: jax.Array, bias: jax.Array | None, dtype) -> jax.Array:
+    """The chunk's logits ``xc weightᵀ (+ bias)``, ``[rows, V]``, added to in float32."""
     if bias is None:
         return dot(xc, weight, (1, 1), dtype)
     return (dot(xc, weight, (1, 1), jnp.float32) + bias.astype(jnp.float32)).astype(dtype)

@@ -6,8 +6,9 @@ kernels run best when every dimension is a multiple of 16 bytes; the chunk buffe
 is already aligned (``fused_kl.plan.padded_row_stride``), and at an unaligned vocabulary the
 GEMMs are made over its aligned columns and over the few columns left apart (``parts``, from
 :func:`vocab_parts`): row ranges of the head and of ``grad_weight`` are views, so nothing is
-copied. ``grad_x`` sums both parts in float32 and is rounded once, as a single GEMM would be,
-where the GEMM writes float32 itself (elsewhere it stays one GEMM).
+copied. ``grad_x`` is the few columns' product, to which the aligned columns' GEMM adds itself
+(cuBLAS's beta = 1, summed in float32): the sum is rounded once, as one GEMM's would be, besides
+the small part's own rounding, and no float32 ``[rows, H]`` buffer is held.
 """
 
 from __future__ import annotations
@@ -85,12 +86,12 @@ def mm_f32(g: torch.Tensor, weight: torch.Tensor, parts: tuple[slice, ...]) -> t
 
 
 def grad_x(g: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, parts: tuple[slice, ...]) -> None:
-    """``out = g @ weight``, rounded once to ``out``'s dtype: over the parts where the GEMM writes
-    float32 from ``g``'s dtype itself, else in one GEMM (no float32 copy of the head)."""
-    if len(parts) == 1 or not has_out_dtype(g.device, g.dtype):
-        torch.mm(g, weight, out=out)
-    else:
-        out.copy_(mm_f32(g, weight, parts))
+    """``out = g @ weight`` in ``out``'s dtype: the last (smallest) part's product first, the
+    others added to it by GEMMs that read it (beta = 1) and round their sum once."""
+    first, *rest = reversed(parts)
+    torch.mm(g[:, first], weight[first], out=out)
+    for cols in rest:
+        out.addmm_(g[:, cols], weight[cols])
 
 
 def logits(xc: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, z: torch.Tensor,

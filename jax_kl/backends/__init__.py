@@ -84,18 +84,13 @@ class Backend(NamedByEntry):
     (:meth:`chunk_phases`), or None;
     ``in_place_grad_weight``: the module whose ``accumulate(acc, g, x)`` adds ``gᵀ x`` into
     ``acc`` in place where its ``fits`` says so (``mosaic_accumulate``), or None where the add
-    is left to XLA;
-    ``transposed_logits``: at a vocabulary (slice) not a multiple of 64, a chunk's logits and
-    ``dL/dz`` live as ``[V, rows]`` so that XLA's GEMMs read and write aligned rows, the row
-    phases reading them transposed (off by default: the benchmark's
-    ``jax_kl/pallas+transposed-logits`` prices it against the default)."""
+    is left to XLA."""
 
     entry: Registered
     compute: Compute
     phases: ModuleType | None = None
     mosaic_phases: ModuleType | None = None
     in_place_grad_weight: ModuleType | None = None
-    transposed_logits: bool = False
 
     def chunk_phases(self, z: jax.Array, t: object) -> ModuleType:
         """The row phases of one chunk (``z`` its logits, ``t`` its dense teacher or None): the

@@ -41,7 +41,6 @@ from ..teachers import DenseChunk
 from . import online
 
 R = 64  # rows per program
-ANY_LAYOUT = False  # kernels: the logits in row-major [rows, V] (as ``xla_phases.ANY_LAYOUT`` says)
 # Columns per step, by whether a teacher tile is read too (a TMA box holds at most 256 per
 # dimension; registers and shared memory per program bound it from above).
 TV = {False: 128, True: 64}

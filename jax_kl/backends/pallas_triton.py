@@ -25,8 +25,6 @@ from fused_kl.rows import COEFS, MIXTURE_SUMS, STATS, Coefs, Stats
 from ..teachers import DenseChunk
 from . import online
 
-ANY_LAYOUT = False  # kernels: the logits in row-major [rows, V] (as ``xla_phases.ANY_LAYOUT`` says)
-
 
 def _wide(row: jax.Array, like: jax.Array) -> jax.Array:
     """A per-tile-row value against the tile's columns (``online``'s ``wide``): broadcast by shape."""

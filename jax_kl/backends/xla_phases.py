@@ -15,8 +15,6 @@ from fused_kl.loss import Loss
 from ..ops import ROW_OPS
 from ..teachers import DenseChunk
 
-ANY_LAYOUT = True  # whole-array jnp ops: XLA reads the logits in any layout it gives them
-
 
 def stats(z: jax.Array, t: DenseChunk | None, y: jax.Array | None, loss: Loss, tile: tuple[int, int]) -> jax.Array:
     """``fused_kl.rows.Stats`` of each row of the chunk (local to this vocabulary slice)."""
