@@ -182,8 +182,9 @@ def test_the_gemms_take_the_aligned_columns_and_the_rest_apart(v, itemsize, spli
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_split_gemms_give_the_whole_gemms_and_leave_the_padding_alone(dtype):
     """At V = 131 the GEMMs run over columns [0, 128) and [128, 131): the logits, ``grad_x`` (the
-    aligned part added to the rest's product, the sum rounded once), ``grad_weight``'s accumulation over two chunks and the
-    factored path's float32 product equal one GEMM over every column."""
+    aligned part added to the rest's product, the sum rounded once), ``grad_weight``'s
+    accumulation over two chunks and the factored path's float32 product equal one GEMM over
+    every column."""
     gen = torch.Generator().manual_seed(3)
     v, parts = 131, gemm.vocab_parts(131, 2, True)
     x, w, b = (torch.randn(*s, generator=gen).to(dtype) for s in ((6, 16), (v, 16), (v,)))
