@@ -14,7 +14,9 @@ row per backend of ``torch_kl.backends.REGISTRY`` and of ``jax_kl.backends.REGIS
 the A/B rows that price one optimisation each: ``torch_kl/triton-cublas-logits`` (no fused
 logits GEMM), ``-unfactored`` (``dL/dz`` written by ``finish``), ``-unchecked`` (no eager value
 checks), ``-whole-vocab-gemms`` (at an unaligned vocabulary, each cuBLAS GEMM over every column
-at once), ``jax_kl/pallas-cublas`` and ``pallas_triton-cublas`` (XLA's Triton GEMMs off); and
+at once), ``jax_kl/pallas-cublas``, ``pallas_triton-cublas`` (XLA's Triton GEMMs off) and
+``jax_kl/pallas+vocab-parts`` (at an unaligned vocabulary, the chunk as its aligned columns and
+the rest); and
 what the loss's options cost: ``torch_kl/triton+row-weights`` and ``jax_kl/pallas+row-weights``
 (a weight per row, the per-row losses returned), ``+z-loss`` (cross-entropy only). A variant of a
 backend is its resolved value with fields replaced (``dataclasses.replace``), passed as
@@ -178,6 +180,17 @@ def _fused(package: str, mode: Mode, **options: Any) -> LossFn:
     return lambda x, w, a: api.fused_linear_kl_div(x, w, **a, **mode.options, **options)
 
 
+def _jax_kl_variant(**fields: Any) -> Callable[[Mode], LossFn]:
+    """``jax_kl``'s ``"pallas"`` backend with some ``Backend`` fields replaced."""
+
+    def get_loss(mode: Mode) -> LossFn:
+        from jax_kl import backends
+
+        return _fused("jax_kl", mode, backend=dataclasses.replace(backends.resolve("pallas"), **fields))
+
+    return get_loss
+
+
 def _with_row_weights(package: str, backend: str, mode: Mode) -> LossFn:
     """``backend`` with a weight per row and the per-row losses returned: what the two cost, priced
     beside the plain call. The weights (0.5 to 1.5) are made inside the call: ``N`` values. The
@@ -300,6 +313,9 @@ def build() -> dict[str, Impl]:
             )
             z_loss = functools.partial(_with_z_loss, package, backend)
             impls[f"{package}/{backend}+z-loss"] = Impl(framework, wrap(z_loss), gradients=False)
+    if "jax_kl/pallas" in impls:
+        # at an unaligned vocabulary, the chunk as its aligned columns and the rest (--vocab)
+        impls["jax_kl/pallas+vocab-parts"] = Impl("jax", _jitted(_jax_kl_variant(vocab_parts=True)))
     # XLA folds each chunk's `acc + g^T x` into a cuBLAS GEMM (beta = 1) only when its own Triton
     # GEMMs are off: `pallas_triton-cublas` shows that fold. `pallas-cublas` is what a user's
     # jit(compiler_options=...) gets on the default backend, which cannot see the option and still

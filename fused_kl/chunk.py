@@ -2,16 +2,16 @@
 
 ``stats`` → the layout's first collective point → (JSD: ``mixture_sums`` → the second) →
 the top-k teacher's ``[rows, k]`` part (``rowmath.topk``) → ``finish`` (``dL/dz``) → the rows'
-losses. ``phases`` is a backend's module of row kernels, ``layout`` says what the collective
-points do, and :class:`ChunkOps` brings the few operations whose spelling differs between
-torch and JAX.
+losses. A chunk's logits come as one or more :class:`VocabPart`, each with its backend's module
+of row kernels (``phases``); ``layout`` says what the collective points do, and
+:class:`ChunkOps` brings the few operations whose spelling differs between torch and JAX.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from . import rowmath
 from .loss import Loss
@@ -78,8 +78,28 @@ def topk_part(
     return soft, k, at, g_at, local & weighed[:, None]
 
 
+class VocabPart(NamedTuple):
+    """Columns ``start ...`` of this vocabulary slice as one array: their logits ``z`` (``[rows,
+    width]``) and the row kernels (``phases``) that run them. A chunk is one part, or (``jax_kl``
+    at an unaligned vocabulary) its aligned columns and the few left, so that each GEMM and
+    kernel reads rows of an aligned stride."""
+
+    z: Any
+    start: int
+    phases: Any
+
+
+def _in_part(at: Any, part: VocabPart) -> Any:
+    return (at >= part.start) & (at < part.start + part.z.shape[1])
+
+
+def _column_in(at: Any, part: VocabPart, xp: Any) -> Any:
+    """``at`` as columns of ``part`` (0 where outside it)."""
+    return xp.where(_in_part(at, part), at - part.start, 0)
+
+
 def row_phases(
-    z: Any,
+    parts: Sequence[VocabPart],
     t: Any,
     y: Any | None,
     keep: Any,
@@ -91,45 +111,66 @@ def row_phases(
     weights: rowmath.LossWeights,
     loss: Loss,
     layout: Any,
-    phases: Any,
     tile: tuple[int, int],
     write_grad: bool,
     ops: ChunkOps,
     local_stats: Any | None = None,
-) -> tuple[Any | None, Any, Any]:
-    """``(dL/dz or None, the rows' shares of the loss, their own losses)`` of a chunk of logits
-    ``z`` (``rowmath.row_losses``): ``t`` its dense teacher (or None), ``y`` its hard side's labels
-    (``rowmath.hard_labels``), ``keep`` its kept-row mask, ``row_weight`` its rows' weights (or
-    None) and ``scales`` its ``rowmath.grad_scales`` (made once per call: per chunk they would be
-    a few more small kernels each), ``topk`` its ``(log-probs, token ids)``;
-    ``local_stats``: the ``stats`` phase's result when the logits GEMM already made it."""
+) -> tuple[tuple[Any, ...] | None, Any, Any]:
+    """``(each part's dL/dz, or None; the rows' shares of the loss; their own losses)`` of a chunk
+    whose logits are ``parts`` (``rowmath.row_losses``): ``t`` its dense teacher (or None; with one
+    part only), ``y`` its hard side's labels (``rowmath.hard_labels``), ``keep`` its kept-row
+    mask, ``row_weight`` its rows' weights (or None) and ``scales`` its ``rowmath.grad_scales``
+    (made once per call: per chunk they would be a few more small kernels each), ``topk`` its
+    ``(log-probs, token ids)``; ``local_stats``: the ``stats`` phase's result when the logits GEMM
+    already made it. The parts' statistics combine as vocabulary slices' do, before the layout's."""
     xp = ops.xp
+    if t is not None and len(parts) != 1:
+        raise ValueError("a dense teacher's chunk is read as one part")
     y_local = local_labels(y, v0, loss)
+    ys = [None if y_local is None else y_local - p.start for p in parts]
     if local_stats is None:
-        local_stats = phases.stats(z, stats_teacher(t, loss), y_local, loss, tile)
+        each = [p.phases.stats(p.z, stats_teacher(t, loss), yp, loss, tile) for p, yp in zip(parts, ys, strict=True)]
+        local_stats = each[0] if len(each) == 1 else rowmath.combine_stats(
+            xp.stack(each), lambda a: xp.amax(a, 0), lambda a: xp.sum(a, 0), xp
+        )
     stats = layout.combine_stats(local_stats)
     kind = loss.kind
     soft_sums = None
-    if kind == "jsd":
-        soft_sums = layout.vocab_sum(phases.mixture_sums(z, t, stats, loss, tile))  # reads lse, lse_teacher
+    if kind == "jsd":  # reads lse, lse_teacher
+        soft_sums = layout.vocab_sum(parts[0].phases.mixture_sums(parts[0].z, t, stats, loss, tile))
     elif kind == "reverse":  # R came with the statistics
         soft_sums = rowmath.reverse_sums(stats, loss, xp)
     topk_const = None
+    zs = tuple(p.z for p in parts)
     if topk is not None:
+
+        def logits_at(at: Any, _: Any) -> Any:
+            if len(parts) == 1:
+                return ops.gather(parts[0].z, at)
+            return sum(xp.where(_in_part(at, p), ops.gather(p.z, _column_in(at, p, xp)), 0.0) for p in parts)
+
         row_scales = (scales.soft, scales.hard, rowmath.z_scale(stats, scales))
+        width = sum(z.shape[1] for z in zs)
         soft, topk_const, at, g_at, write = topk_part(
-            lambda at, _: ops.gather(z, at), topk, y, row_scales, v0, z.shape[1], stats, loss, v_total, layout, ops
-        )
+            logits_at, topk, y, row_scales, v0, width, stats, loss, v_total, layout, ops
+        )  # fmt: skip
     coefs = rowmath.coefficients(stats, scales, soft_sums, topk_const, loss, xp)
     if topk is not None and write_grad:
-        z, g_at = ops.materialize(z, g_at)
-    g = partial = None
+        zs, g_at = ops.materialize(zs, g_at)
+    gs = partial = None
     if write_grad or kind == "forward":
-        g, partial = phases.finish(z, t, y_local, coefs, loss, v_total, tile, write_grad)
+        finish = [p.phases.finish for p in parts]
+        done = [f(z, t, yp, coefs, loss, v_total, tile, write_grad) for f, z, yp in zip(finish, zs, ys, strict=True)]
+        gs, partials = tuple(g for g, _ in done), [r for _, r in done]
+        partial = None if partials[0] is None else sum(partials[1:], partials[0])
     if kind == "forward":
         soft = layout.vocab_sum(partial)
     elif topk is None:
         soft = rowmath.soft_rows(kind, soft_sums, loss.beta) if loss.soft else None
-    if topk is not None and write_grad:
-        g = ops.set_at(g, at, g_at, write)
-    return g, *rowmath.row_losses(stats, keep, soft, row_weight, weights, loss, v_total, xp)
+    if topk is not None and write_grad and len(parts) == 1:
+        gs = (ops.set_at(gs[0], at, g_at, write),)
+    elif topk is not None and write_grad:
+        gs = tuple(
+            ops.set_at(g, _column_in(at, p, xp), g_at, write & _in_part(at, p)) for g, p in zip(gs, parts, strict=True)
+        )
+    return (gs if write_grad else None), *rowmath.row_losses(stats, keep, soft, row_weight, weights, loss, v_total, xp)

@@ -16,13 +16,12 @@ import jax.numpy as jnp
 from jax import lax
 
 from fused_kl import rowmath
-from fused_kl.chunk import row_phases
+from fused_kl.chunk import VocabPart, row_phases
 from fused_kl.loss import Loss
 from fused_kl.options import Needs, RunOptions
 from fused_kl.plan import plan_chunks
 
-from . import teachers
-from .gemm import dot
+from . import gemm, teachers
 from .layout import Layout
 from .ops import OPS
 from .teachers import TeacherArrays
@@ -33,16 +32,6 @@ if TYPE_CHECKING:
 
 def _add(acc: jax.Array | None, term: jax.Array) -> jax.Array:
     return term if acc is None else acc + term
-
-
-def _add_grad_weight(acc: jax.Array | None, g: jax.Array, xc: jax.Array, dtype, in_place) -> jax.Array:
-    """``acc + gᵀ x``. XLA (0.11, H200) folds the add into the GEMM (beta = 1) only with its
-    Triton GEMMs off (``xla_gpu_enable_triton_gemm=False``, docs/choosing.md); otherwise each
-    chunk after the first costs a ``[V, H]`` product buffer and an add pass
-    (docs/design-notes.md, GEMMs). Hence the in-place kernel of the Mosaic GPU backends."""
-    if acc is not None and in_place is not None and in_place.fits(acc, g, xc):
-        return in_place.accumulate(acc, g, xc)
-    return _add(acc, dot(g, xc, (0, 0), dtype))
 
 
 def forward(
@@ -68,6 +57,7 @@ def forward(
     v = weight.shape[0]
     v0, v_total = layout.vocab_start(v), v * layout.vocab_shards
     plan = plan_chunks(n, v, x.dtype.itemsize, run.chunk_size, loss.teacher_head)
+    split = gemm.vocab_parts(v, backend.vocab_parts)
 
     keep = jnp.ones(n, bool) if labels is None else labels != loss.ignore_index
     kept = layout.batch_sum(jnp.sum(keep, dtype=jnp.float32))
@@ -93,21 +83,22 @@ def forward(
         y = None if hard_labels is None else hard_labels[start:stop]
         rw = None if row_weight is None else row_weight[start:stop]
         topk = None if teacher.indices is None else (teacher.target[start:stop], teacher.indices[start:stop])
-        z = _logits(xc, weight, bias, x.dtype)
-        phases = backend.chunk_phases(z, t)
-        g, row_loss, own_loss = row_phases(
-            z, t, y, keep[start:stop], rw, rowmath.RowScales(*(s[start:stop] for s in scales)), topk, v0, v_total,
-            weights, loss, layout, phases, plan.tile, needs.any, OPS,
+        cols = split if t is None else (slice(0, v),)  # a dense teacher's chunk is read as one part
+        zs = gemm.logits(xc, weight, bias, x.dtype, cols)
+        parts = tuple(VocabPart(z, c.start, backend.chunk_phases(z, t)) for z, c in zip(zs, cols, strict=True))
+        gs, row_loss, own_loss = row_phases(
+            parts, t, y, keep[start:stop], rw, rowmath.RowScales(*(s[start:stop] for s in scales)), topk, v0, v_total,
+            weights, loss, layout, plan.tile, needs.any, OPS,
         )  # fmt: skip
         row_losses.append(row_loss)
         own_losses.append(own_loss)
         done = row_loss
         if needs.x:
-            grad_x = lax.dynamic_update_slice(grad_x, dot(g, weight, (1, 0), x.dtype), (start, 0))
+            grad_x = lax.dynamic_update_slice(grad_x, gemm.grad_x(gs, weight, x.dtype, cols), (start, 0))
         if needs.weight:
-            grad_w = _add_grad_weight(grad_w, g, xc, accum, backend.in_place_grad_weight)
+            grad_w = gemm.accumulate(grad_w, gs, xc, accum, cols, backend.in_place_grad_weight)
         if needs.bias:
-            grad_b = _add(grad_b, jnp.sum(g, axis=0, dtype=jnp.float32))
+            grad_b = _add(grad_b, jnp.concatenate([jnp.sum(g, axis=0, dtype=jnp.float32) for g in gs]))
         if needs.weight or needs.bias:
             done = (grad_w, grad_b)  # grad_x passes the next barrier itself
 
@@ -129,13 +120,6 @@ def forward(
     grad_w = None if grad_w is None else unscaled(grad_w, weight.dtype)
     grad_b = None if grad_b is None else unscaled(grad_b, bias.dtype)  # type: ignore[union-attr]
     return total, rows, grad_x, grad_w, grad_b
-
-
-def _logits(xc: jax.Array, weight: jax.Array, bias: jax.Array | None, dtype) -> jax.Array:
-    """The chunk's logits ``xc weightᵀ (+ bias)``, ``[rows, V]``, added to in float32."""
-    if bias is None:
-        return dot(xc, weight, (1, 1), dtype)
-    return (dot(xc, weight, (1, 1), jnp.float32) + bias.astype(jnp.float32)).astype(dtype)
 
 
 def _hidden_rows(loss: Loss, teacher: TeacherArrays, start: int, stop: int) -> jax.Array | None:

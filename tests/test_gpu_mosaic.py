@@ -149,3 +149,36 @@ def test_topk_teacher_holds_no_second_logits_buffer() -> None:
     probs = temporaries(lambda x, w: jax_kl.fused_linear_kl_div(x, w, dense, chunk_size=512))
     logits_chunk = 512 * v * 2
     assert topk < probs + logits_chunk // 2, (topk, probs, logits_chunk)
+
+
+@pytest.mark.parametrize("fn", ["cross_entropy", "topk"])
+def test_vocabulary_parts_run_the_aligned_part_on_mosaic(fn: str) -> None:
+    """``Backend.vocab_parts`` at V = 8291 (8192 + 99): the aligned part's row phases and
+    ``grad_weight`` add run on Mosaic GPU, the rest on XLA; the results are the one-part chunk's
+    (the XLA phases) to bf16's rounding."""
+    from dataclasses import replace
+
+    from jax_kl.backends import resolve
+
+    n, h, v, k = 1024, 256, 8291, 16
+    keys = jax.random.split(jax.random.key(0), 4)
+    x = jax.random.normal(keys[0], (n, h), jnp.bfloat16)
+    w = (jax.random.normal(keys[1], (v, h)) * h**-0.5).astype(jnp.bfloat16)
+    labels = jax.random.randint(keys[2], (n,), 0, v)
+    idx = ((jnp.arange(n)[:, None] * 7919 + jnp.arange(k) * (v // k)) % v).astype(jnp.int32)  # both parts
+    log_p = jax.nn.log_softmax(jax.random.normal(keys[3], (n, k)), -1) - 1.0
+    whole = resolve("pallas")
+
+    def loss(x, w, backend):
+        if fn == "cross_entropy":
+            return jax_kl.fused_linear_cross_entropy(x, w, labels, chunk_size=256, backend=backend)
+        return jax_kl.fused_linear_kl_div(x, w, log_p, labels, target_format="topk_log_probs", target_indices=idx,
+                                          weight_hard_loss=0.5, chunk_size=256, backend=backend)  # fmt: skip
+
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)), static_argnums=2)
+    (want, (want_x, want_w)), (got, (got_x, got_w)) = (step(x, w, b) for b in (whole, replace(whole, vocab_parts=True)))
+    assert abs(float(got) - float(want)) <= 2e-3 * abs(float(want))
+    as_torch = torch.from_dlpack
+    assert rel(as_torch(got_x), as_torch(want_x)) <= 1e-2 and rel(as_torch(got_w), as_torch(want_w)) <= 1e-2
+    text = step.lower(x, w, replace(whole, vocab_parts=True)).as_text()
+    assert "fused_kl_grad_weight_mosaic" in text

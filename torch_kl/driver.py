@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from fused_kl import rowmath
-from fused_kl.chunk import local_labels, row_phases, topk_part
+from fused_kl.chunk import VocabPart, local_labels, row_phases, topk_part
 from fused_kl.loss import Loss
 from fused_kl.options import Needs, RunOptions
 from fused_kl.plan import padded_row_stride, plan_chunks
@@ -203,10 +203,11 @@ def forward(
             at = slice(a - start, b - start)
             t = t_first if a == 0 else teacher_block(a, b)
             _, row_loss[a:b], own_loss[a:b] = row_phases(
-                z[at], t, None if y is None else y[at], keep[a:b], None if rw is None else rw[at],
+                (VocabPart(z[at], 0, phases),), t, None if y is None else y[at], keep[a:b],
+                None if rw is None else rw[at],
                 rowmath.RowScales(*(s[a:b] for s in scales)),
                 None if topk is None else (topk[0][at], topk[1][at]),
-                v0, v_total, weights, loss, layout, phases, plan.tile, needs.any, OPS,
+                v0, v_total, weights, loss, layout, plan.tile, needs.any, OPS,
                 None if local_stats is None else local_stats[at],
             )  # fmt: skip
         if grads.x is not None:

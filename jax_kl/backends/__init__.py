@@ -84,13 +84,18 @@ class Backend(NamedByEntry):
     (:meth:`chunk_phases`), or None;
     ``in_place_grad_weight``: the module whose ``accumulate(acc, g, x)`` adds ``gᵀ x`` into
     ``acc`` in place where its ``fits`` says so (``mosaic_accumulate``), or None where the add
-    is left to XLA."""
+    is left to XLA;
+    ``vocab_parts``: at a vocabulary (slice) not a multiple of 128, a chunk without a dense
+    teacher is made as its aligned columns and the rest (``jax_kl.gemm.vocab_parts``), so that
+    the aligned part runs on the Mosaic GPU kernels (off by default: the benchmark's
+    ``jax_kl/pallas+vocab-parts`` prices it against the default)."""
 
     entry: Registered
     compute: Compute
     phases: ModuleType | None = None
     mosaic_phases: ModuleType | None = None
     in_place_grad_weight: ModuleType | None = None
+    vocab_parts: bool = False
 
     def chunk_phases(self, z: jax.Array, t: object) -> ModuleType:
         """The row phases of one chunk (``z`` its logits, ``t`` its dense teacher or None): the
