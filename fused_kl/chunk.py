@@ -23,9 +23,10 @@ class ChunkOps:
     """``xp`` (torch or jax.numpy); ``gather(z, at)``: ``z[i, at[i, j]]`` in float32;
     ``set_at(g, at, values, mask)``: ``g`` with ``values[i, j]`` written at ``[i, at[i, j]]``
     where ``mask[i, j]`` (those positions are distinct within a row; in place in torch),
-    returned; ``f32(a)``: ``a`` in float32; ``materialize(z, values)``: both, ``values`` made
-    before ``finish`` overwrites ``z`` (JAX: else XLA recomputes them from ``z`` inside the scatter
-    and keeps a copy of ``z`` for it); ``sort(a)``: ``a`` sorted along its last axis."""
+    returned; ``f32(a)``: ``a`` in float32; ``materialize(z, values)``: both (``z`` a tuple of
+    logits arrays), ``values`` made before ``finish`` overwrites ``z`` (JAX: else XLA recomputes
+    them from ``z`` inside the scatter and keeps a copy of ``z`` for it); ``sort(a)``: ``a``
+    sorted along its last axis."""
 
     xp: Any
     gather: Callable[[Any, Any], Any]
@@ -127,11 +128,13 @@ def row_phases(
     if t is not None and len(parts) != 1:
         raise ValueError("a dense teacher's chunk is read as one part")
     y_local = local_labels(y, v0, loss)
-    ys = [None if y_local is None else y_local - p.start for p in parts]
+    ys = [y_local if y_local is None or p.start == 0 else y_local - p.start for p in parts]
     if local_stats is None:
         each = [p.phases.stats(p.z, stats_teacher(t, loss), yp, loss, tile) for p, yp in zip(parts, ys, strict=True)]
-        local_stats = each[0] if len(each) == 1 else rowmath.combine_stats(
-            xp.stack(each), lambda a: xp.amax(a, 0), lambda a: xp.sum(a, 0), xp
+        local_stats = (
+            each[0]
+            if len(each) == 1
+            else rowmath.combine_stats(xp.stack(each), lambda a: xp.amax(a, 0), lambda a: xp.sum(a, 0), xp)
         )
     stats = layout.combine_stats(local_stats)
     kind = loss.kind
@@ -160,8 +163,10 @@ def row_phases(
     gs = partial = None
     if write_grad or kind == "forward":
         finish = [p.phases.finish for p in parts]
-        done = [f(z, t, yp, coefs, loss, v_total, tile, write_grad) for f, z, yp in zip(finish, zs, ys, strict=True)]
-        gs, partials = tuple(g for g, _ in done), [r for _, r in done]
+        finished = [
+            f(z, t, yp, coefs, loss, v_total, tile, write_grad) for f, z, yp in zip(finish, zs, ys, strict=True)
+        ]
+        gs, partials = tuple(g for g, _ in finished), [r for _, r in finished]
         partial = None if partials[0] is None else sum(partials[1:], partials[0])
     if kind == "forward":
         soft = layout.vocab_sum(partial)

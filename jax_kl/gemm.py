@@ -56,25 +56,25 @@ def grad_x(gs: Sequence[jax.Array], weight: jax.Array, dtype, parts: Sequence[sl
 
 
 def accumulate(
-    acc: jax.Array | None, gs: Sequence[jax.Array], xc: jax.Array, dtype, parts: Sequence[slice],
-    in_place: ModuleType | None,
-) -> jax.Array:  # fmt: skip
-    """``acc + gᵀ x`` per part, the first chunk's (``acc`` None) written, not added. XLA (0.11,
-    H200) folds the add into the GEMM (beta = 1) only with its Triton GEMMs off
-    (``xla_gpu_enable_triton_gemm=False``, docs/choosing.md); otherwise each chunk after the first
-    costs a ``[V, H]`` product buffer and an add pass (docs/design-notes.md, GEMMs). Hence the
-    in-place kernel of the Mosaic GPU backends (``in_place``), which adds into ``acc``'s first
-    rows. With several parts the first chunk fills ``acc`` with zeros and adds."""
-    if len(parts) == 1:
-        if acc is not None and in_place is not None and in_place.fits(acc, gs[0], xc):
-            return in_place.accumulate(acc, gs[0], xc)
-        product = dot(gs[0], xc, (0, 0), dtype)
-        return product if acc is None else acc + product
-    if acc is None:
-        acc = jnp.zeros((parts[-1].stop, xc.shape[1]), dtype)
-    for g, cols in zip(gs, parts, strict=True):
-        if cols.start == 0 and in_place is not None and in_place.fits(acc, g, xc):
-            acc = in_place.accumulate(acc, g, xc)
+    accs: list[jax.Array] | None, gs: Sequence[jax.Array], xc: jax.Array, dtype, in_place: ModuleType | None
+) -> list[jax.Array]:
+    """Each part's ``grad_weight`` rows plus ``gᵀ x``, the first chunk's (``accs`` None) written,
+    not added. XLA (0.11, H200) folds the add into the GEMM (beta = 1) only with its Triton GEMMs
+    off (``xla_gpu_enable_triton_gemm=False``, docs/choosing.md); otherwise each chunk after the
+    first costs a product buffer and an add pass (docs/design-notes.md, GEMMs). Hence the
+    in-place kernel of the Mosaic GPU backends (``in_place``), where it fits the part."""
+    if accs is None:
+        return [dot(g, xc, (0, 0), dtype) for g in gs]
+    out = []
+    for acc, g in zip(accs, gs, strict=True):
+        if in_place is not None and in_place.fits(acc, g, xc):
+            out.append(in_place.accumulate(acc, g, xc))
         else:
-            acc = acc.at[cols].add(dot(g, xc, (0, 0), dtype))
-    return acc
+            out.append(acc + dot(g, xc, (0, 0), dtype))
+    return out
+
+
+def joined(accs: list[jax.Array]) -> jax.Array:
+    """The parts' ``grad_weight`` rows as one ``[V, H]`` array (with several parts, one copy at
+    the end of the call: each part is added in place while the chunks run)."""
+    return accs[0] if len(accs) == 1 else jnp.concatenate(accs)

@@ -272,6 +272,7 @@ def test_a_chunk_in_vocabulary_parts_gives_the_whole_chunks_results(backend: str
     [0, 256) and [256, 300); the loss, the rows' losses and every gradient are the one-part
     chunk's."""
     fmt, options = VOCAB_PART_CASES[case]
+    options = dict(options)
     bias = options.pop("bias", False)
     inp = make_inputs(12, 8, 300, bias=bias, target_format="logits" if fmt == "ce" else fmt, k=40, pad_frac=0.2)
     arrays = jax_arrays(inp)

@@ -181,6 +181,7 @@ def test_grad_weight_kernel_takes_only_whole_tiles_of_one_16_bit_dtype() -> None
     assert not fits(acc_dtype=jnp.float32)  # accum_dtype=float32 keeps XLA's GEMM
     assert not fits(dtype=jnp.float32)
     assert fits(rows=200)  # a partial last slice of rows: the TMA reads zeros past the chunk
+    assert not fits(rows=233)  # not a whole number of the operands' 8-row tiles
     assert not fits(v=400) and not fits(h=384)
 
 
@@ -224,3 +225,51 @@ def test_in_place_kernels_lower_inside_shard_map() -> None:
     calls = [line for line in lines if "custom_call @mosaic_gpu" in line]
     assert len(calls) == 3  # stats, finish over the logits, the GEMM into the accumulator
     assert "operand_index = 0" in calls[1] and "operand_index = 2" in calls[2]
+
+
+def _as_on_hopper(**fields):
+    """``"pallas"`` as it resolves where Mosaic GPU runs (the in-place ``grad_weight`` add too)."""
+    from jax_kl.backends import mosaic_accumulate
+
+    return dataclasses.replace(
+        resolve("pallas"), phases=xla_phases, mosaic_phases=pallas_mosaic, in_place_grad_weight=mosaic_accumulate,
+        **fields,
+    )  # fmt: skip
+
+
+def _mosaic_calls(backend, n: int, h: int, v: int) -> tuple[int, int]:
+    """The CUDA lowering of a cross-entropy step's ``grad_weight``: its Mosaic GPU kernels, and
+    how many of them are the in-place add (its output the accumulator, operand 2)."""
+    import jax_kl
+
+    def loss(x, w, labels):
+        return jax_kl.fused_linear_cross_entropy(x, w, labels, chunk_size=256, backend=backend)
+
+    shapes = (jax.ShapeDtypeStruct((n, h), jnp.bfloat16), jax.ShapeDtypeStruct((v, h), jnp.bfloat16),
+              jax.ShapeDtypeStruct((n,), jnp.int32))  # fmt: skip
+    text = jax.jit(jax.grad(loss, argnums=1)).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+    calls = [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
+    return len(calls), sum("operand_index = 2" in line for line in calls)
+
+
+def test_a_last_chunk_of_odd_rows_keeps_xla_s_add() -> None:
+    """1001 rows in chunks of 256: the last chunk's 233 rows are no whole number of the operands'
+    8-row tiles, so its ``grad_weight`` is added by XLA; the step lowers for CUDA."""
+    # chunks 1 to 3: stats and finish on Mosaic GPU; chunks 2 and 3 add in place; chunk 4 on XLA
+    assert _mosaic_calls(_as_on_hopper(), 1001, 256, 8192) == (3 * 2 + 2, 2)
+
+
+def test_vocabulary_parts_split_where_the_in_place_add_takes_the_aligned_part() -> None:
+    """``jax_kl.gemm.vocab_parts`` splits at a multiple of ``mosaic_accumulate``'s row tile; at
+    V = 8291 the aligned part's row phases and ``grad_weight`` add lower to Mosaic GPU kernels."""
+    from jax_kl import gemm
+    from jax_kl.backends import mosaic_accumulate
+
+    assert gemm.SPLIT_MULTIPLE % mosaic_accumulate.CTA_M == 0
+    assert [(p.start, p.stop) for p in gemm.vocab_parts(300, True)] == [(0, 256), (256, 300)]
+    assert [(p.start, p.stop) for p in gemm.vocab_parts(300, False)] == [(0, 300)]
+    assert [(p.start, p.stop) for p in gemm.vocab_parts(256, True)] == [(0, 256)]
+    assert [(p.start, p.stop) for p in gemm.vocab_parts(100, True)] == [(0, 100)]
+    # every chunk's aligned part: stats and finish on Mosaic GPU; chunks 2 to 4 add it in place
+    assert _mosaic_calls(_as_on_hopper(vocab_parts=True), 1024, 256, 8291) == (4 * 2 + 3, 3)
+    assert _mosaic_calls(_as_on_hopper(), 1024, 256, 8291) == (0, 0)  # one part: all on XLA

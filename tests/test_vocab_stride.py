@@ -227,15 +227,3 @@ def test_the_loss_is_the_same_with_the_gemms_split_or_whole():
     for a, b in zip(*results, strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
-
-def test_the_jax_vocabulary_parts_match_the_in_place_add():
-    """``jax_kl.gemm.vocab_parts`` splits where ``mosaic_accumulate`` can add the aligned part in
-    place: at multiples of its row tile."""
-    from jax_kl import gemm as jax_gemm
-
-    assert [(p.start, p.stop) for p in jax_gemm.vocab_parts(300, True)] == [(0, 256), (256, 300)]
-    assert [(p.start, p.stop) for p in jax_gemm.vocab_parts(300, False)] == [(0, 300)]
-    assert [(p.start, p.stop) for p in jax_gemm.vocab_parts(256, True)] == [(0, 256)]
-    assert [(p.start, p.stop) for p in jax_gemm.vocab_parts(100, True)] == [(0, 100)]
-    mosaic_accumulate = pytest.importorskip("jax_kl.backends.mosaic_accumulate")
-    assert jax_gemm.SPLIT_MULTIPLE % mosaic_accumulate.CTA_M == 0

@@ -1,7 +1,6 @@
 """The ``grad_weight`` GEMM of a chunk as a Mosaic GPU kernel that adds into its accumulator in
-place: ``acc[:V] <- acc[:V] + gᵀ x`` for the chunk's ``dL/dz`` ``g [rows, V]`` and inputs
-``x [rows, H]``, the sum taken in float32 and rounded once to ``acc``'s dtype (``acc`` may have
-more rows: a vocabulary's aligned part, ``jax_kl.gemm.vocab_parts``).
+place: ``acc[V, H] <- acc + gᵀ x`` for the chunk's ``dL/dz`` ``g [rows, V]`` and inputs
+``x [rows, H]``, the sum taken in float32 and rounded once to ``acc``'s dtype.
 
 Why: XLA folds ``acc + dot(g, x)`` into one GEMM (cuBLAS's beta = 1) only with its Triton GEMMs
 off; otherwise every chunk after the first costs a ``[V, H]`` product buffer and an add pass
@@ -41,13 +40,14 @@ NAME = "fused_kl_grad_weight_mosaic"
 
 
 def fits(acc: jax.Array, g: jax.Array, x: jax.Array) -> bool:
-    """Whether this kernel can add ``gᵀ x`` into ``acc``'s first ``V`` rows: 16-bit operands and
-    accumulator of one dtype (a float32 accumulator keeps XLA's GEMM), ``V`` and ``H`` whole
-    numbers of output tiles."""
+    """Whether this kernel can add ``gᵀ x`` into ``acc``: 16-bit operands and accumulator of one
+    dtype (a float32 accumulator keeps XLA's GEMM), ``V`` and ``H`` whole numbers of output
+    tiles, the chunk's rows a multiple of the operands' 8-row tiling (the TMA reads zeros past
+    the last 64-row slice, not past a partial 8-row tile)."""
     (rows, v), h = g.shape, x.shape[1]
     same = acc.dtype == g.dtype == x.dtype and g.dtype in (jnp.bfloat16, jnp.float16)
-    tiled = v % CTA_M == 0 and h % CTA_N == 0
-    return same and tiled and acc.shape[0] >= v and acc.shape[1] == h and x.shape[0] == rows
+    tiled = v % CTA_M == 0 and h % CTA_N == 0 and rows % 8 == 0
+    return same and tiled and acc.shape == (v, h) and x.shape[0] == rows
 
 
 def _sms() -> int:
