@@ -57,7 +57,7 @@ def forward(
     v = weight.shape[0]
     v0, v_total = layout.vocab_start(v), v * layout.vocab_shards
     plan = plan_chunks(n, v, x.dtype.itemsize, run.chunk_size, loss.teacher_head)
-    split = gemm.vocab_parts(v, backend.vocab_parts)
+    vocab_cols = gemm.vocab_parts(v, backend.vocab_parts)
 
     keep = jnp.ones(n, bool) if labels is None else labels != loss.ignore_index
     kept = layout.batch_sum(jnp.sum(keep, dtype=jnp.float32))
@@ -83,7 +83,7 @@ def forward(
         y = None if hard_labels is None else hard_labels[start:stop]
         rw = None if row_weight is None else row_weight[start:stop]
         topk = None if teacher.indices is None else (teacher.target[start:stop], teacher.indices[start:stop])
-        cols = split if t is None else (slice(0, v),)  # a dense teacher's chunk is read as one part
+        cols = vocab_cols if t is None else (slice(0, v),)  # a dense teacher's chunk is read as one part
         zs = gemm.logits(xc, weight, bias, x.dtype, cols)
         parts = tuple(VocabPart(z, c.start, backend.chunk_phases(z, t)) for z, c in zip(zs, cols, strict=True))
         gs, row_loss, own_loss = row_phases(
