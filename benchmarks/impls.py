@@ -15,8 +15,8 @@ the A/B rows that price one optimisation each: ``torch_kl/triton-cublas-logits``
 logits GEMM), ``-unfactored`` (``dL/dz`` written by ``finish``), ``-unchecked`` (no eager value
 checks), ``-whole-vocab-gemms`` (at an unaligned vocabulary, each cuBLAS GEMM over every column
 at once), ``jax_kl/pallas-cublas``, ``pallas_triton-cublas`` (XLA's Triton GEMMs off) and
-``jax_kl/pallas+vocab-parts`` (at an unaligned vocabulary, the chunk as its aligned columns and
-the rest); and
+``jax_kl/pallas-whole-vocab`` (at an unaligned vocabulary, the chunk as one array over every
+column); and
 what the loss's options cost: ``torch_kl/triton+row-weights`` and ``jax_kl/pallas+row-weights``
 (a weight per row, the per-row losses returned), ``+z-loss`` (cross-entropy only). A variant of a
 backend is its resolved value with fields replaced (``dataclasses.replace``), passed as
@@ -314,8 +314,8 @@ def build() -> dict[str, Impl]:
             z_loss = functools.partial(_with_z_loss, package, backend)
             impls[f"{package}/{backend}+z-loss"] = Impl(framework, wrap(z_loss), gradients=False)
     if "jax_kl/pallas" in impls:
-        # at an unaligned vocabulary, the chunk as its aligned columns and the rest (--vocab)
-        impls["jax_kl/pallas+vocab-parts"] = Impl("jax", _jitted(_jax_kl_variant(vocab_parts=True)))
+        # at an unaligned vocabulary, the chunk as one array over every column (--vocab)
+        impls["jax_kl/pallas-whole-vocab"] = Impl("jax", _jitted(_jax_kl_variant(vocab_parts=False)))
     # XLA folds each chunk's `acc + g^T x` into a cuBLAS GEMM (beta = 1) only when its own Triton
     # GEMMs are off: `pallas_triton-cublas` shows that fold. `pallas-cublas` is what a user's
     # jit(compiler_options=...) gets on the default backend, which cannot see the option and still

@@ -81,11 +81,13 @@ def topk_part(
 
 class VocabPart(NamedTuple):
     """Columns ``start ...`` of this vocabulary slice as one array: their logits ``z`` (``[rows,
-    width]``) and the row kernels (``phases``) that run them. A chunk is one part, or (``jax_kl``
-    at an unaligned vocabulary) its aligned columns and the few left, so that each GEMM and
-    kernel reads rows of an aligned stride."""
+    width]``), the dense teacher's same columns ``t`` (as the row kernels take it, or None) and
+    the row kernels (``phases``) that run them. A chunk is one part, or (``jax_kl`` at an
+    unaligned vocabulary) its aligned columns and the few left, so that each GEMM and kernel
+    reads rows of an aligned stride."""
 
     z: Any
+    t: Any
     start: int
     phases: Any
 
@@ -101,7 +103,6 @@ def _column_in(at: Any, part: VocabPart, xp: Any) -> Any:
 
 def row_phases(
     parts: Sequence[VocabPart],
-    t: Any,
     y: Any | None,
     keep: Any,
     row_weight: Any | None,
@@ -118,19 +119,17 @@ def row_phases(
     local_stats: Any | None = None,
 ) -> tuple[tuple[Any, ...] | None, Any, Any]:
     """``(each part's dL/dz, or None; the rows' shares of the loss; their own losses)`` of a chunk
-    whose logits are ``parts`` (``rowmath.row_losses``): ``t`` its dense teacher (or None; with one
-    part only), ``y`` its hard side's labels (``rowmath.hard_labels``), ``keep`` its kept-row
-    mask, ``row_weight`` its rows' weights (or None) and ``scales`` its ``rowmath.grad_scales``
-    (made once per call: per chunk they would be a few more small kernels each), ``topk`` its
-    ``(log-probs, token ids)``; ``local_stats``: the ``stats`` phase's result when the logits GEMM
-    already made it. The parts' statistics combine as vocabulary slices' do, before the layout's."""
+    whose logits and dense teacher are ``parts`` (``rowmath.row_losses``): ``y`` its hard side's
+    labels (``rowmath.hard_labels``), ``keep`` its kept-row mask, ``row_weight`` its rows'
+    weights (or None) and ``scales`` its ``rowmath.grad_scales`` (made once per call: per chunk
+    they would be a few more small kernels each), ``topk`` its ``(log-probs, token ids)``;
+    ``local_stats``: the ``stats`` phase's result when the logits GEMM already made it. The
+    parts' statistics and sums combine as vocabulary slices' do, before the layout's."""
     xp = ops.xp
-    if t is not None and len(parts) != 1:
-        raise ValueError("a dense teacher's chunk is read as one part")
     y_local = local_labels(y, v0, loss)
     ys = [y_local if y_local is None or p.start == 0 else y_local - p.start for p in parts]
     if local_stats is None:
-        each = [p.phases.stats(p.z, stats_teacher(t, loss), yp, loss, tile) for p, yp in zip(parts, ys, strict=True)]
+        each = [p.phases.stats(p.z, stats_teacher(p.t, loss), yp, loss, tile) for p, yp in zip(parts, ys, strict=True)]
         local_stats = (
             each[0]
             if len(each) == 1
@@ -140,7 +139,8 @@ def row_phases(
     kind = loss.kind
     soft_sums = None
     if kind == "jsd":  # reads lse, lse_teacher
-        soft_sums = layout.vocab_sum(parts[0].phases.mixture_sums(parts[0].z, t, stats, loss, tile))
+        part_sums = [p.phases.mixture_sums(p.z, p.t, stats, loss, tile) for p in parts]
+        soft_sums = layout.vocab_sum(sum(part_sums[1:], part_sums[0]))
     elif kind == "reverse":  # R came with the statistics
         soft_sums = rowmath.reverse_sums(stats, loss, xp)
     topk_const = None
@@ -162,9 +162,9 @@ def row_phases(
         zs, g_at = ops.materialize(zs, g_at)
     gs = partial = None
     if write_grad or kind == "forward":
-        finish = [p.phases.finish for p in parts]
         finished = [
-            f(z, t, yp, coefs, loss, v_total, tile, write_grad) for f, z, yp in zip(finish, zs, ys, strict=True)
+            p.phases.finish(z, p.t, yp, coefs, loss, v_total, tile, write_grad)
+            for p, z, yp in zip(parts, zs, ys, strict=True)
         ]
         gs, partials = tuple(g for g, _ in finished), [r for _, r in finished]
         partial = None if partials[0] is None else sum(partials[1:], partials[0])

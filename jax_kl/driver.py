@@ -79,22 +79,23 @@ def forward(
         (xc, hidden, grad_x), _ = lax.optimization_barrier(
             ((x[start:stop], _hidden_rows(loss, teacher, start, stop), grad_x), done)
         )
-        t = teachers.dense_chunk(loss, teacher, start, hidden)
+        ts = teachers.dense_chunk(loss, teacher, start, stop, hidden, vocab_cols)
         y = None if hard_labels is None else hard_labels[start:stop]
         rw = None if row_weight is None else row_weight[start:stop]
         topk = None if teacher.indices is None else (teacher.target[start:stop], teacher.indices[start:stop])
-        cols = vocab_cols if t is None else (slice(0, v),)  # a dense teacher's chunk is read as one part
-        zs = gemm.logits(xc, weight, bias, x.dtype, cols)
-        parts = tuple(VocabPart(z, c.start, backend.chunk_phases(z, t)) for z, c in zip(zs, cols, strict=True))
+        zs = gemm.logits(xc, weight, bias, x.dtype, vocab_cols)
+        parts = tuple(
+            VocabPart(z, t, c.start, backend.chunk_phases(z, t)) for z, t, c in zip(zs, ts, vocab_cols, strict=True)
+        )
         gs, row_loss, own_loss = row_phases(
-            parts, t, y, keep[start:stop], rw, rowmath.RowScales(*(s[start:stop] for s in scales)), topk, v0, v_total,
+            parts, y, keep[start:stop], rw, rowmath.RowScales(*(s[start:stop] for s in scales)), topk, v0, v_total,
             weights, loss, layout, plan.tile, needs.any, OPS,
         )  # fmt: skip
         row_losses.append(row_loss)
         own_losses.append(own_loss)
         done = row_loss
         if needs.x:
-            grad_x = lax.dynamic_update_slice(grad_x, gemm.grad_x(gs, weight, x.dtype, cols), (start, 0))
+            grad_x = lax.dynamic_update_slice(grad_x, gemm.grad_x(gs, weight, x.dtype, vocab_cols), (start, 0))
         if needs.weight:
             grad_w_parts = gemm.accumulate(grad_w_parts, gs, xc, accum, backend.in_place_grad_weight)
         if needs.bias:

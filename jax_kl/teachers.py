@@ -1,20 +1,21 @@
 """The teacher of one chunk, whatever form it arrives in (mirror of ``torch_kl/teachers.py``).
 
 A dense target is read where it lies (``(array, row0)``: the Pallas kernels index the full
-array, XLA fuses the slice); a teacher head makes the chunk's logits with one more GEMM;
+array, XLA fuses the slice); a teacher head makes the chunk's logits with one more GEMM (per
+vocabulary part, as the student's);
 top-k log-probabilities stay ``[rows, k]`` and are handled around the row kernel.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
 
 from fused_kl.loss import Loss
 
-from .gemm import dot
+from .gemm import logits
 
 
 class TeacherArrays(NamedTuple):
@@ -30,14 +31,19 @@ class TeacherArrays(NamedTuple):
 DenseChunk = tuple[jax.Array, int]
 
 
-def dense_chunk(loss: Loss, arrays: TeacherArrays, start: int, hidden: jax.Array | None) -> DenseChunk | None:
-    """The chunk's dense teacher as ``(array, row0)``, or None. For a teacher head, ``hidden``
-    is the chunk of its hidden states (sliced by the driver, after its barrier)."""
+def dense_chunk(
+    loss: Loss, arrays: TeacherArrays, start: int, stop: int, hidden: jax.Array | None, parts: Sequence[slice]
+) -> tuple[DenseChunk | None, ...]:
+    """The chunk's dense teacher as ``(array, row0)`` per vocabulary part (``jax_kl.gemm.
+    vocab_parts``), or None per part. For a teacher head, ``hidden`` is the chunk of its hidden
+    states (sliced by the driver, after its barrier), and its GEMM makes each part. A dense
+    target in several parts is sliced to the chunk's rows and each part's columns: XLA fuses that
+    slice into the XLA phases, and makes it as an array of aligned rows for a Mosaic GPU kernel
+    (one pass over the chunk's teacher, where its rows of stride V are no TMA's)."""
     if loss.teacher is None or loss.teacher.dense_format is None or not loss.soft:
-        return None
-    if hidden is None:
-        return arrays.target, start  # type: ignore[return-value]
-    if arrays.bias is None:
-        return dot(hidden, arrays.weight, (1, 1), hidden.dtype), 0
-    u = dot(hidden, arrays.weight, (1, 1), jnp.float32) + arrays.bias.astype(jnp.float32)  # type: ignore[union-attr]
-    return u.astype(hidden.dtype), 0
+        return (None,) * len(parts)
+    if hidden is not None:
+        return tuple((u, 0) for u in logits(hidden, arrays.weight, arrays.bias, hidden.dtype, parts))  # type: ignore[arg-type]
+    if len(parts) == 1:
+        return ((arrays.target, start),)  # type: ignore[return-value]
+    return tuple((arrays.target[start:stop, cols], 0) for cols in parts)  # type: ignore[index]

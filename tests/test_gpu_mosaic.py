@@ -151,7 +151,7 @@ def test_topk_teacher_holds_no_second_logits_buffer() -> None:
     assert topk < probs + logits_chunk // 2, (topk, probs, logits_chunk)
 
 
-@pytest.mark.parametrize("fn", ["cross_entropy", "topk"])
+@pytest.mark.parametrize("fn", ["cross_entropy", "topk", "forward", "teacher_head"])
 def test_vocabulary_parts_run_the_aligned_part_on_mosaic(fn: str) -> None:
     """``Backend.vocab_parts`` at V = 8291 (8192 + 99): the aligned part's row phases and
     ``grad_weight`` add run on Mosaic GPU, the rest on XLA; the results are the one-part chunk's
@@ -167,20 +167,29 @@ def test_vocabulary_parts_run_the_aligned_part_on_mosaic(fn: str) -> None:
     labels = jax.random.randint(keys[2], (n,), 0, v)
     idx = ((jnp.arange(n)[:, None] * 7919 + jnp.arange(k) * (v // k)) % v).astype(jnp.int32)  # both parts
     log_p = jax.nn.log_softmax(jax.random.normal(keys[3], (n, k)), -1) - 1.0
-    whole = resolve("pallas")
+    probs = jax.nn.softmax(jax.random.normal(keys[3], (n, v)) * 2.0, -1)
+    hidden, tw = x[:, ::-1], (jax.random.normal(keys[1], (v, h)) * h**-0.5).astype(jnp.bfloat16)[::-1]
+    split = resolve("pallas")
+    whole = replace(split, vocab_parts=False)
 
     def loss(x, w, backend):
         if fn == "cross_entropy":
             return jax_kl.fused_linear_cross_entropy(x, w, labels, chunk_size=256, backend=backend)
+        if fn == "forward":  # the dense teacher's rows, V apart, copied per part for the TMA
+            return jax_kl.fused_linear_kl_div(x, w, probs, labels, weight_hard_loss=0.5, chunk_size=256,
+                                              backend=backend)  # fmt: skip
+        if fn == "teacher_head":
+            return jax_kl.fused_linear_kl_div(x, w, hidden, labels, target_format="hidden", teacher_weight=tw,
+                                              chunk_size=256, backend=backend)  # fmt: skip
         return jax_kl.fused_linear_kl_div(x, w, log_p, labels, target_format="topk_log_probs", target_indices=idx,
                                           weight_hard_loss=0.5, chunk_size=256, backend=backend)  # fmt: skip
 
     step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)), static_argnums=2)
-    (want, (want_x, want_w)), (got, (got_x, got_w)) = (step(x, w, b) for b in (whole, replace(whole, vocab_parts=True)))
+    (want, (want_x, want_w)), (got, (got_x, got_w)) = (step(x, w, b) for b in (whole, split))
     assert abs(float(got) - float(want)) <= 2e-3 * abs(float(want))
     as_torch = torch.from_dlpack
     assert rel(as_torch(got_x), as_torch(want_x)) <= 1e-2 and rel(as_torch(got_w), as_torch(want_w)) <= 1e-2
-    calls = [line for line in step.lower(x, w, replace(whole, vocab_parts=True)).as_text().splitlines()
+    calls = [line for line in step.lower(x, w, split).as_text().splitlines()
              if "custom_call @mosaic_gpu" in line]  # fmt: skip
     assert any("operand_index = 2" in line for line in calls)  # the aligned part's in-place add
     assert any("operand_index = 2" not in line for line in calls)  # its row phases

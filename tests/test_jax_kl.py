@@ -257,24 +257,29 @@ def test_numpy_inputs_not_modified(backend: str) -> None:
 
 
 # (loss, options): the cross-entropy; a top-k teacher with a hard term, whose tokens fall in both
-# parts; a dense teacher, whose chunk stays one part.
+# parts; dense teachers (each part reads its columns) under each divergence; a teacher head,
+# whose GEMM makes the teacher's parts.
 VOCAB_PART_CASES = {
     "cross_entropy": ("ce", dict(label_smoothing=0.1, z_loss_weight=1e-2, bias=True)),
     "topk": ("topk_log_probs", dict(weight_hard_loss=0.5, temperature=1.0)),
-    "dense": ("logits", dict(weight_hard_loss=0.5, beta=0.5)),
+    "forward": ("probs", dict(weight_hard_loss=0.5, temperature=2.0)),
+    "reverse": ("log_probs", dict(beta=1.0)),
+    "jsd": ("logits", dict(weight_hard_loss=0.5, beta=0.5)),
+    "teacher_head": ("hidden", dict(teacher_temperature=0.5)),
 }
 
 
 @pytest.mark.parametrize("backend", ["xla", "pallas"])
 @pytest.mark.parametrize("case", list(VOCAB_PART_CASES))
 def test_a_chunk_in_vocabulary_parts_gives_the_whole_chunks_results(backend: str, case: str) -> None:
-    """``Backend.vocab_parts``: at V = 300 a chunk without a dense teacher is made as columns
+    """``Backend.vocab_parts``: at V = 300 a chunk (and its dense teacher) is made as columns
     [0, 256) and [256, 300); the loss, the rows' losses and every gradient are the one-part
     chunk's."""
     fmt, options = VOCAB_PART_CASES[case]
     options = dict(options)
     bias = options.pop("bias", False)
-    inp = make_inputs(12, 8, 300, bias=bias, target_format="logits" if fmt == "ce" else fmt, k=40, pad_frac=0.2)
+    inp = make_inputs(12, 8, 300, bias=bias, target_format="logits" if fmt == "ce" else fmt, k=40, pad_frac=0.2,
+                      teacher_bias=fmt == "hidden")  # fmt: skip
     arrays = jax_arrays(inp)
     x, w, b, lab = arrays["x"], arrays["weight"], arrays.get("bias"), arrays["labels"]
     resolved = jax_kl.backends.resolve(backend)
@@ -283,13 +288,14 @@ def test_a_chunk_in_vocabulary_parts_gives_the_whole_chunks_results(backend: str
         common = dict(bias=b, backend=chosen, chunk_size=5, return_row_losses=True, **options)
         if fmt == "ce":
             return jax_kl.fused_linear_cross_entropy(x, w, lab, **common)
-        teacher = dict(target_indices=arrays["target_indices"]) if fmt == "topk_log_probs" else {}
+        keys = ("target_indices", "teacher_weight", "teacher_bias")
+        teacher = {k: arrays[k] for k in keys if k in arrays}
         return jax_kl.fused_linear_kl_div(x, w, arrays["target"], lab, target_format=fmt, **teacher, **common)
 
-    chosen = (resolved, replace(resolved, vocab_parts=True))
+    chosen = (replace(resolved, vocab_parts=False), resolved)
     argnums = (0, 1, 2) if bias else (0, 1)
     results = [jax.value_and_grad(loss, argnums=argnums, has_aux=True)(x, w, b, c) for c in chosen]
     for a, c in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1]), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=1e-5, atol=1e-6)
     program = str(jax.make_jaxpr(lambda *a: loss(*a, chosen[1]))(x, w, b))
-    assert ("f32[5,256]" in program and "f32[5,44]" in program) == (case != "dense")
+    assert "f32[5,256]" in program and "f32[5,44]" in program

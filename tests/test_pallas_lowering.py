@@ -271,5 +271,5 @@ def test_vocabulary_parts_split_where_the_in_place_add_takes_the_aligned_part() 
     assert [(p.start, p.stop) for p in gemm.vocab_parts(256, True)] == [(0, 256)]
     assert [(p.start, p.stop) for p in gemm.vocab_parts(100, True)] == [(0, 100)]
     # every chunk's aligned part: stats and finish on Mosaic GPU; chunks 2 to 4 add it in place
-    assert _mosaic_calls(_as_on_hopper(vocab_parts=True), 1024, 256, 8291) == (4 * 2 + 3, 3)
-    assert _mosaic_calls(_as_on_hopper(), 1024, 256, 8291) == (0, 0)  # one part: all on XLA
+    assert _mosaic_calls(_as_on_hopper(), 1024, 256, 8291) == (4 * 2 + 3, 3)
+    assert _mosaic_calls(_as_on_hopper(vocab_parts=False), 1024, 256, 8291) == (0, 0)  # one part: all on XLA

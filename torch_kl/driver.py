@@ -203,7 +203,7 @@ def forward(
             at = slice(a - start, b - start)
             t = t_first if a == 0 else teacher_block(a, b)
             _, row_loss[a:b], own_loss[a:b] = row_phases(
-                (VocabPart(z[at], 0, phases),), t, None if y is None else y[at], keep[a:b],
+                (VocabPart(z[at], t, 0, phases),), None if y is None else y[at], keep[a:b],
                 None if rw is None else rw[at],
                 rowmath.RowScales(*(s[a:b] for s in scales)),
                 None if topk is None else (topk[0][at], topk[1][at]),

@@ -87,15 +87,15 @@ class Backend(NamedByEntry):
     is left to XLA;
     ``vocab_parts``: at a vocabulary (slice) not a multiple of 128, a chunk without a dense
     teacher is made as its aligned columns and the rest (``jax_kl.gemm.vocab_parts``), so that
-    the aligned part runs on the Mosaic GPU kernels (off by default: the benchmark's
-    ``jax_kl/pallas+vocab-parts`` prices it against the default)."""
+    every GEMM writes and reads rows of an aligned stride and the aligned part runs on the
+    Mosaic GPU kernels (False prices that: the benchmark's ``jax_kl/pallas-whole-vocab``)."""
 
     entry: Registered
     compute: Compute
     phases: ModuleType | None = None
     mosaic_phases: ModuleType | None = None
     in_place_grad_weight: ModuleType | None = None
-    vocab_parts: bool = False
+    vocab_parts: bool = True
 
     def chunk_phases(self, z: jax.Array, t: object) -> ModuleType:
         """The row phases of one chunk (``z`` its logits, ``t`` its dense teacher or None): the
