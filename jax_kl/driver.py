@@ -72,24 +72,35 @@ def forward(
     grad_x = jnp.zeros_like(x) if needs.x else None
     grad_w_parts = grad_b = None  # the first chunk's GEMMs write the accumulators: no [V, H] zero fill
     done = kept  # what the previous chunk produced last
+
+    def _per_row(start: int, stop: int) -> tuple:
+        """The chunk's rows of the per-row inputs: ``(labels, keep, row_weight, RowScales, top-k
+        teacher)``, None where absent."""
+        return (
+            None if hard_labels is None else hard_labels[start:stop],
+            keep[start:stop],
+            None if row_weight is None else row_weight[start:stop],
+            rowmath.RowScales(*(s[start:stop] for s in scales)),
+            None if teacher.indices is None else (teacher.target[start:stop], teacher.indices[start:stop]),
+        )
+
     for start, stop in plan.bounds:
         # Start a chunk only once the previous one is done, so XLA cannot hoist the
         # logits GEMMs and keep several [chunk, V] buffers alive at once. grad_x passes the
-        # barrier too: its update in place is then ordered after the previous chunk's.
-        (xc, hidden, grad_x), _ = lax.optimization_barrier(
-            ((x[start:stop], _hidden_rows(loss, teacher, start, stop), grad_x), done)
+        # barrier too: its update in place is then ordered after the previous chunk's. So do
+        # the chunk's slices of the per-row inputs: XLA fuses a slice that a kernel takes into a
+        # dynamic-slice fusion around that kernel, and then copies the logits the kernel writes
+        # over (one [chunk, V] buffer more, where the labels are an argument of the program).
+        (xc, hidden, grad_x, (y, kept_rows, rw, row_scales, topk)), _ = lax.optimization_barrier(
+            ((x[start:stop], _hidden_rows(loss, teacher, start, stop), grad_x, _per_row(start, stop)), done)
         )
         ts = teachers.dense_chunk(loss, teacher, start, stop, hidden, vocab_cols)
-        y = None if hard_labels is None else hard_labels[start:stop]
-        rw = None if row_weight is None else row_weight[start:stop]
-        topk = None if teacher.indices is None else (teacher.target[start:stop], teacher.indices[start:stop])
         zs = gemm.logits(xc, weight, bias, x.dtype, vocab_cols)
         parts = tuple(
             VocabPart(z, t, c.start, backend.chunk_phases(z, t)) for z, t, c in zip(zs, ts, vocab_cols, strict=True)
         )
         gs, row_loss, own_loss = row_phases(
-            parts, y, keep[start:stop], rw, rowmath.RowScales(*(s[start:stop] for s in scales)), topk, v0, v_total,
-            weights, loss, layout, plan.tile, needs.any, OPS,
+            parts, y, kept_rows, rw, row_scales, topk, v0, v_total, weights, loss, layout, plan.tile, needs.any, OPS,
         )  # fmt: skip
         row_losses.append(row_loss)
         own_losses.append(own_loss)
