@@ -4,7 +4,7 @@ and the gradient GEMMs.
 
 The ``[N, V]`` logits never exist: each chunk's logits become its ``dL/dz`` in place and die
 before the next chunk's are made. The chunk loop is unrolled at trace time, so every slice is
-static and the kernels read the target where it lies.
+static and, where the chunk is one array, the kernels read the target where it lies.
 """
 
 from __future__ import annotations
@@ -87,13 +87,16 @@ def forward(
     for start, stop in plan.bounds:
         # Start a chunk only once the previous one is done, so XLA cannot hoist the
         # logits GEMMs and keep several [chunk, V] buffers alive at once. grad_x passes the
-        # barrier too: its update in place is then ordered after the previous chunk's. So do
-        # the chunk's slices of the per-row inputs: XLA fuses a slice that a kernel takes into a
-        # dynamic-slice fusion around that kernel, and then copies the logits the kernel writes
-        # over (one [chunk, V] buffer more, where the labels are an argument of the program).
-        (xc, hidden, grad_x, (y, kept_rows, rw, row_scales, topk)), _ = lax.optimization_barrier(
-            ((x[start:stop], _hidden_rows(loss, teacher, start, stop), grad_x, _per_row(start, stop)), done)
+        # barrier too: its update in place is then ordered after the previous chunk's.
+        (xc, hidden, grad_x), _ = lax.optimization_barrier(
+            ((x[start:stop], _hidden_rows(loss, teacher, start, stop), grad_x), done)
         )
+        # The chunk's slices of the per-row inputs pass a barrier of their own (one with the
+        # gradients would make them vary along a vocabulary axis in a checked shard_map): XLA
+        # fuses a slice that a kernel takes into a dynamic-slice fusion around that kernel, and
+        # then copies the logits the kernel writes over (one [chunk, V] buffer more, where the
+        # labels are an argument of the program).
+        y, kept_rows, rw, row_scales, topk = lax.optimization_barrier(_per_row(start, stop))
         ts = teachers.dense_chunk(loss, teacher, start, stop, hidden, vocab_cols)
         zs = gemm.logits(xc, weight, bias, x.dtype, vocab_cols)
         parts = tuple(

@@ -1,9 +1,9 @@
 """The teacher of one chunk, whatever form it arrives in (mirror of ``torch_kl/teachers.py``).
 
 A dense target is read where it lies (``(array, row0)``: the Pallas kernels index the full
-array, XLA fuses the slice); a teacher head makes the chunk's logits with one more GEMM (per
-vocabulary part, as the student's);
-top-k log-probabilities stay ``[rows, k]`` and are handled around the row kernel.
+array, XLA fuses the slice), but in a chunk of vocabulary parts (each part's columns); a teacher
+head makes the chunk's logits with one more GEMM (per vocabulary part, as the student's); top-k
+log-probabilities stay ``[rows, k]`` and are handled around the row kernel.
 """
 
 from __future__ import annotations

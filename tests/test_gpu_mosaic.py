@@ -78,13 +78,22 @@ def test_default_path_runs_mosaic_without_deprecation_warning(fn: str) -> None:
     assert not [str(m.message) for m in seen if "deprecated" in str(m.message).lower()]
 
 
-def test_unaligned_vocabulary_runs_the_xla_phases_or_is_refused() -> None:
+def test_unaligned_vocabulary_never_takes_the_deprecated_lowering() -> None:
+    """At V = 1000 the default runs the aligned 896 columns on Mosaic GPU and the rest on the XLA
+    phases; the chunk as one array runs the XLA phases alone; forcing Mosaic GPU is refused."""
+    from dataclasses import replace
+
+    from jax_kl.backends import resolve
+
     x, w, t, _ = (jax.dlpack.from_dlpack(a) for a in _inputs(64, 32, 1000, torch.bfloat16))  # 1000 % 64 != 0
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         auto = jax_kl.fused_linear_kl_div(x, w, t)
+        whole = jax_kl.fused_linear_kl_div(x, w, t, backend=replace(resolve("pallas"), vocab_parts=False))
     assert not [str(m.message) for m in seen if "deprecated" in str(m.message).lower()]
-    assert float(auto) == float(jax_kl.fused_linear_kl_div(x, w, t, backend="xla"))
+    xla = float(jax_kl.fused_linear_kl_div(x, w, t, backend="xla"))
+    assert float(whole) == xla
+    assert abs(float(auto) - xla) <= 1e-3 * abs(xla)
     with pytest.raises(ValueError, match=r"^backend: 'pallas_mosaic' is not available here: the TMA"):
         jax_kl.fused_linear_kl_div(x, w, t, backend="pallas_mosaic")
     assert jnp.isfinite(auto)

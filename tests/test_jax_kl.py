@@ -264,6 +264,7 @@ VOCAB_PART_CASES = {
     "topk": ("topk_log_probs", dict(weight_hard_loss=0.5, temperature=1.0)),
     "forward": ("probs", dict(weight_hard_loss=0.5, temperature=2.0)),
     "reverse": ("log_probs", dict(beta=1.0)),
+    "reverse_logits": ("logits", dict(beta=1.0, softcap=3.0, teacher_temperature=1.5)),
     "jsd": ("logits", dict(weight_hard_loss=0.5, beta=0.5)),
     "teacher_head": ("hidden", dict(teacher_temperature=0.5)),
 }

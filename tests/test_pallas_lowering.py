@@ -238,16 +238,19 @@ def _as_on_hopper(**fields):
     )  # fmt: skip
 
 
-def _mosaic_calls(backend, n: int, h: int, v: int) -> tuple[int, int]:
-    """The CUDA lowering of a cross-entropy step's ``grad_weight``: its Mosaic GPU kernels, and
-    how many of them are the in-place add (its output the accumulator, operand 2)."""
+def _mosaic_calls(backend, n: int, h: int, v: int, probs: bool = False) -> tuple[int, int]:
+    """The CUDA lowering of a cross-entropy step's ``grad_weight`` (``probs``: a forward KL's
+    against dense float32 probabilities instead): its Mosaic GPU kernels, and how many of them
+    are the in-place add (its output the accumulator, operand 2)."""
     import jax_kl
 
-    def loss(x, w, labels):
-        return jax_kl.fused_linear_cross_entropy(x, w, labels, chunk_size=256, backend=backend)
+    def loss(x, w, target):
+        if probs:
+            return jax_kl.fused_linear_kl_div(x, w, target, chunk_size=256, backend=backend)
+        return jax_kl.fused_linear_cross_entropy(x, w, target, chunk_size=256, backend=backend)
 
-    shapes = (jax.ShapeDtypeStruct((n, h), jnp.bfloat16), jax.ShapeDtypeStruct((v, h), jnp.bfloat16),
-              jax.ShapeDtypeStruct((n,), jnp.int32))  # fmt: skip
+    target = jax.ShapeDtypeStruct((n, v), jnp.float32) if probs else jax.ShapeDtypeStruct((n,), jnp.int32)
+    shapes = (jax.ShapeDtypeStruct((n, h), jnp.bfloat16), jax.ShapeDtypeStruct((v, h), jnp.bfloat16), target)
     text = jax.jit(jax.grad(loss, argnums=1)).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
     calls = [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
     return len(calls), sum("operand_index = 2" in line for line in calls)
@@ -274,6 +277,8 @@ def test_vocabulary_parts_split_where_the_in_place_add_takes_the_aligned_part() 
     # every chunk's aligned part: stats and finish on Mosaic GPU; chunks 2 to 4 add it in place
     assert _mosaic_calls(_as_on_hopper(), 1024, 256, 8291) == (4 * 2 + 3, 3)
     assert _mosaic_calls(_as_on_hopper(vocab_parts=False), 1024, 256, 8291) == (0, 0)  # one part: all on XLA
+    # a dense teacher's aligned columns go with the aligned part: its stats and finish too
+    assert _mosaic_calls(_as_on_hopper(), 1024, 256, 8291, probs=True) == (4 * 2 + 3, 3)
 
 
 def _hlo_ops(text: str) -> dict[str, tuple[str, list[str]]]:

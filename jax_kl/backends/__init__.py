@@ -85,8 +85,8 @@ class Backend(NamedByEntry):
     ``in_place_grad_weight``: the module whose ``accumulate(acc, g, x)`` adds ``gᵀ x`` into
     ``acc`` in place where its ``fits`` says so (``mosaic_accumulate``), or None where the add
     is left to XLA;
-    ``vocab_parts``: at a vocabulary (slice) not a multiple of 128, a chunk without a dense
-    teacher is made as its aligned columns and the rest (``jax_kl.gemm.vocab_parts``), so that
+    ``vocab_parts``: at a vocabulary (slice) not a multiple of 128, a chunk (and its dense
+    teacher) is made as its aligned columns and the rest (``jax_kl.gemm.vocab_parts``), so that
     every GEMM writes and reads rows of an aligned stride and the aligned part runs on the
     Mosaic GPU kernels (False prices that: the benchmark's ``jax_kl/pallas-whole-vocab``)."""
 

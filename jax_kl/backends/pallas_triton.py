@@ -4,7 +4,8 @@
 The elementwise math is ``fused_kl.terms``'s jnp code itself, called inside the kernels. One
 program per row of the chunk; each row is walked in ``[tile[0], tile[1]]`` tiles with running
 maxima and sums per tile row (``fused_kl.plan``). The teacher is read where it lies in the
-full target (``(array, row0)``), so no slice of it is copied. ``dL/dz`` overwrites the logits
+full target (``(array, row0)``), so no slice of it is copied (but a chunk in vocabulary parts:
+each part's columns, ``jax_kl.teachers``). ``dL/dz`` overwrites the logits
 through ``input_output_aliases``: no second ``[chunk, V]`` buffer. Pallas's Triton lowering
 switches to 64-bit offsets itself when an operand exceeds 4 GiB (the full target can).
 """

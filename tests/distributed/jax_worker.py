@@ -166,15 +166,24 @@ CASES["pallas_forward[bv]"] = layouts_case("probs", dict(bias=True), dict(backen
                                            ("mesh", "unchecked"))  # fmt: skip
 
 
-
 def _vocab_parts() -> None:
     """``Backend.vocab_parts`` (the default) with the vocabulary sharded: each shard's 148
-    columns as 128 and 20, the row statistics combined over the parts and then over the shards."""
-    cases = ((None, dict(label_smoothing=0.1, z_loss_weight=0.1)), ("topk_log_probs", dict(weight_hard_loss=0.5)))
+    columns (and a dense teacher's) as 128 and 20, the row statistics combined over the parts and
+    then over the shards; against the unsharded call with each chunk as one array."""
+    from dataclasses import replace
+
+    import jax_kl.backends
+
+    whole = replace(jax_kl.backends.resolve("xla"), vocab_parts=False)
+    cases = (
+        (None, dict(label_smoothing=0.1, z_loss_weight=0.1)),
+        ("topk_log_probs", dict(weight_hard_loss=0.5)),
+        ("logits", dict(beta=0.5, teacher_temperature=1.5, weight_hard_loss=0.5)),
+    )
     for fmt, options in cases:
         mesh = _mesh()
         p = problem(fmt or "probs", v=296, k=12, bias=True)
-        want_loss, want, _ = run(fmt, p, dict(options, chunk_size=6))
+        want_loss, want, _ = run(fmt, p, dict(options, chunk_size=6, backend=whole))
         for mode in MODES:
             loss, grads, _ = run(fmt, p, dict(options, chunk_size=6, backend="xla"), mode, "bv", mesh)
             close(f"{mode}: loss", loss, want_loss)
