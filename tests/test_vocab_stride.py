@@ -226,4 +226,3 @@ def test_the_loss_is_the_same_with_the_gemms_split_or_whole():
         results.append([loss.detach(), *(a.grad for a in arrays.values())])
     for a, b in zip(*results, strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
-
