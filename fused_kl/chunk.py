@@ -24,9 +24,9 @@ class ChunkOps:
     ``set_at(g, at, values, mask)``: ``g`` with ``values[i, j]`` written at ``[i, at[i, j]]``
     where ``mask[i, j]`` (those positions are distinct within a row; in place in torch),
     returned; ``f32(a)``: ``a`` in float32; ``materialize(z, values)``: both (``z`` a tuple of
-    logits arrays), ``values`` made before ``finish`` overwrites ``z`` (JAX: else XLA recomputes
-    them from ``z`` inside the scatter and keeps a copy of ``z`` for it); ``sort(a)``: ``a``
-    sorted along its last axis."""
+    logits arrays), ``values`` made before ``finish`` overwrites ``z`` (JAX: else XLA may make
+    them from ``z`` later, inside a fusion that reads them, and keep a copy of ``z`` for it);
+    ``sort(a)``: ``a`` sorted along its last axis."""
 
     xp: Any
     gather: Callable[[Any, Any], Any]
@@ -135,6 +135,9 @@ def row_phases(
             if len(each) == 1
             else rowmath.combine_stats(xp.stack(each), lambda a: xp.amax(a, 0), lambda a: xp.sum(a, 0), xp)
         )
+    # The statistics hold the label's logit, read from the logits: made before finish overwrites them.
+    zs, local_stats = ops.materialize(tuple(p.z for p in parts), local_stats)
+    parts = [p._replace(z=z) for p, z in zip(parts, zs, strict=True)]
     stats = layout.combine_stats(local_stats)
     kind = loss.kind
     soft_sums = None
@@ -144,7 +147,6 @@ def row_phases(
     elif kind == "reverse":  # R came with the statistics
         soft_sums = rowmath.reverse_sums(stats, loss, xp)
     topk_const = None
-    zs = tuple(p.z for p in parts)
     if topk is not None:
 
         def logits_at(at: Any, _: Any) -> Any:

@@ -8,7 +8,6 @@ and ``"auto"`` resolve to with and without Mosaic GPU. Their numbers are tested 
 from __future__ import annotations
 
 import dataclasses
-import re
 
 import pytest
 
@@ -279,61 +278,3 @@ def test_vocabulary_parts_split_where_the_in_place_add_takes_the_aligned_part() 
     assert _mosaic_calls(_as_on_hopper(vocab_parts=False), 1024, 256, 8291) == (0, 0)  # one part: all on XLA
     # a dense teacher's aligned columns go with the aligned part: its stats and finish too
     assert _mosaic_calls(_as_on_hopper(), 1024, 256, 8291, probs=True) == (4 * 2 + 3, 3)
-
-
-def _hlo_ops(text: str) -> dict[str, tuple[str, list[str]]]:
-    """Each instruction of an HLO module's text: its name to ``(opcode, operand names)``."""
-    ops = {}
-    for line in text.splitlines():
-        m = re.match(r"\s*(?:ROOT )?([\w.\-]+) = (.*)", line)
-        if not m:
-            continue
-        rest = m.group(2)
-        if rest.startswith("("):  # a tuple type: skip to its closing parenthesis
-            depth = 0
-            for k, ch in enumerate(rest):
-                depth += {"(": 1, ")": -1}.get(ch, 0)
-                if depth == 0:
-                    rest = rest[k + 1 :]
-                    break
-        call = re.match(r"\s*(?:[^\s(]+\s+)?([\w\-]+)\(([^)]*)\)", rest)
-        if call:
-            ops[m.group(1)] = (call.group(1), [a.strip() for a in call.group(2).split(",") if a.strip()])
-    return ops
-
-
-def _kernel_operand_sources(text: str) -> list[str]:
-    """The opcode that makes each operand of each Mosaic GPU kernel in an HLO module's text,
-    looking through the calls, pads, converts, reshapes and tuple reads XLA sees through."""
-    ops = _hlo_ops(text)
-    sources = []
-    for op, args in ops.values():
-        if op != "custom-call" or not any(ops.get(a, ("",))[0] != "parameter" for a in args):
-            continue
-        for name in args:
-            source, inputs = ops.get(name, ("parameter", []))
-            while source in ("call", "pad", "convert", "reshape", "bitcast", "get-tuple-element") and inputs:
-                source, inputs = ops.get(inputs[0], ("parameter", []))
-            sources.append(source)
-    return sources
-
-
-def test_no_kernel_takes_a_slice() -> None:
-    """The chunk's per-row inputs reach the kernels through the driver's barrier, not as slices
-    of the call's ``[N]`` arrays: XLA would fuse such a slice into a dynamic-slice fusion around
-    the kernel and copy the logits the kernel writes over (labels given as an argument)."""
-    import jax_kl
-
-    backend = _as_on_hopper()
-
-    def loss(x, w, labels, row_weight):
-        return jax_kl.fused_linear_cross_entropy(
-            x, w, labels, row_weight=row_weight, label_smoothing=0.1, chunk_size=256, backend=backend
-        )
-
-    shapes = (jax.ShapeDtypeStruct((512, 256), jnp.bfloat16), jax.ShapeDtypeStruct((8192, 256), jnp.bfloat16),
-              jax.ShapeDtypeStruct((512,), jnp.int32), jax.ShapeDtypeStruct((512,), jnp.float32))  # fmt: skip
-    lowered = jax.jit(jax.grad(loss, argnums=1)).trace(*shapes).lower(lowering_platforms=("cuda",))
-    sources = _kernel_operand_sources(lowered.as_text(dialect="hlo"))
-    assert "opt-barrier" in sources  # the labels, the row weights and scales
-    assert not {"slice", "dynamic-slice"} & set(sources), sources
