@@ -91,12 +91,7 @@ def forward(
         (xc, hidden, grad_x), _ = lax.optimization_barrier(
             ((x[start:stop], _hidden_rows(loss, teacher, start, stop), grad_x), done)
         )
-        # The chunk's slices of the per-row inputs pass a barrier of their own (one with the
-        # gradients would make them vary along a vocabulary axis in a checked shard_map): XLA
-        # fuses a slice that a kernel takes into a dynamic-slice fusion around that kernel, and
-        # then copies the logits the kernel writes over (one [chunk, V] buffer more, where the
-        # labels are an argument of the program).
-        y, kept_rows, rw, row_scales, topk = lax.optimization_barrier(_per_row(start, stop))
+        y, kept_rows, rw, row_scales, topk = _per_row(start, stop)
         ts = teachers.dense_chunk(loss, teacher, start, stop, hidden, vocab_cols)
         zs = gemm.logits(xc, weight, bias, x.dtype, vocab_cols)
         parts = tuple(

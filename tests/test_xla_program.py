@@ -34,6 +34,16 @@ class _Op:
     attributes: str
 
 
+def _tuple_type_end(text: str) -> int:
+    """Where the tuple type that ``text`` starts with ends."""
+    depth = 0
+    for end, ch in enumerate(text, 1):
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if depth == 0:
+            return end
+    return len(text)
+
+
 def _hlo_ops(text: str) -> dict[str, _Op]:
     """Each instruction of an HLO module's text by name."""
     ops = {}
@@ -41,13 +51,8 @@ def _hlo_ops(text: str) -> dict[str, _Op]:
         m = re.match(r"\s*(?:ROOT )?([\w.\-]+) = (.*)", re.sub(r"/\*.*?\*/", "", line))
         if not m:
             continue
-        rest, end = m.group(2), 0
-        if rest.startswith("("):  # a tuple type: up to its closing parenthesis
-            depth = 0
-            for end, ch in enumerate(rest, 1):
-                depth += {"(": 1, ")": -1}.get(ch, 0)
-                if depth == 0:
-                    break
+        rest = m.group(2)
+        end = _tuple_type_end(rest) if rest.startswith("(") else 0
         call = re.match(r"\s*([^\s(]+\s+)?([\w\-]+)\(([^)]*)\)(.*)", rest[end:])
         if call:
             operands = [a.strip() for a in call.group(3).split(",") if a.strip()]
@@ -59,21 +64,6 @@ def _lowered(loss, *shapes) -> dict[str, _Op]:
     """The CUDA lowering of ``grad(loss)`` with respect to its second argument (the head)."""
     lowered = jax.jit(jax.grad(loss, argnums=1)).trace(*shapes).lower(lowering_platforms=("cuda",))
     return _hlo_ops(lowered.as_text(dialect="hlo"))
-
-
-def _kernel_operand_sources(ops: dict[str, _Op]) -> list[_Op]:
-    """The instruction that makes each operand of each kernel, looking through the calls, pads,
-    converts, reshapes and tuple reads XLA sees through."""
-    sources = []
-    for op in ops.values():
-        if op.opcode != "custom-call" or all(ops[a].opcode == "parameter" for a in op.operands if a in ops):
-            continue
-        for name in op.operands:
-            source = ops.get(name, _Op("", "parameter", [], ""))
-            while source.opcode in ("call", "pad", "convert", "reshape", "bitcast", "get-tuple-element") and source.operands:
-                source = ops.get(source.operands[0], _Op("", "parameter", [], ""))
-            sources.append(source)
-    return sources
 
 
 def _ancestors(ops: dict[str, _Op], name: str) -> set[str]:
@@ -119,28 +109,6 @@ def _late_readers(ops: dict[str, _Op]) -> list[str]:
         chain, passing = _overwritten_values(ops, name)
         late += [u for v in chain for u in users.get(v, []) if u not in before | passing | {name}]
     return late
-
-
-def test_no_kernel_takes_a_slice() -> None:
-    """The chunk's per-row inputs reach the kernels through the driver's barrier, not as slices
-    of the call's ``[N]`` arrays: XLA would fuse such a slice into a dynamic-slice fusion around
-    the kernel and copy the logits the kernel writes over (labels given as an argument)."""
-    import jax_kl
-
-    backend = _as_on_hopper()
-
-    def loss(x, w, labels, row_weight):
-        return jax_kl.fused_linear_cross_entropy(
-            x, w, labels, row_weight=row_weight, label_smoothing=0.1, chunk_size=256, backend=backend
-        )
-
-    shapes = (jax.ShapeDtypeStruct((512, 256), jnp.bfloat16), jax.ShapeDtypeStruct((8192, 256), jnp.bfloat16),
-              jax.ShapeDtypeStruct((512,), jnp.int32), jax.ShapeDtypeStruct((512,), jnp.float32))  # fmt: skip
-    ops = _lowered(loss, *shapes)
-    sources = _kernel_operand_sources(ops)
-    assert "opt-barrier" in {s.opcode for s in sources}  # the labels, the row weights and scales
-    whole_rows = [s for s in sources if "slice" in s.opcode and ops[s.operands[0]].type.split("[")[1].startswith("512")]
-    assert not whole_rows, whole_rows
 
 
 @pytest.mark.parametrize("v", [8192, 8291])  # one part; an aligned part and the columns left
