@@ -316,6 +316,9 @@ def build() -> dict[str, Impl]:
     if "jax_kl/pallas" in impls:
         # at an unaligned vocabulary, the chunk as one array over every column (--vocab)
         impls["jax_kl/pallas-whole-vocab"] = Impl("jax", _jitted(_jax_kl_variant(vocab_parts=False)))
+        # every chunk's row phases on XLA: prices the Mosaic GPU phases (and at an unaligned
+        # vocabulary with a dense teacher, the aligned copy of its columns they read)
+        impls["jax_kl/pallas-xla-phases"] = Impl("jax", _jitted(_jax_kl_variant(mosaic_phases=None)))
     # XLA folds each chunk's `acc + g^T x` into a cuBLAS GEMM (beta = 1) only when its own Triton
     # GEMMs are off: `pallas_triton-cublas` shows that fold. `pallas-cublas` is what a user's
     # jit(compiler_options=...) gets on the default backend, which cannot see the option and still

@@ -69,7 +69,8 @@ def _factored_chunk(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """The rows' ``(shares of the loss, own losses)`` of a chunk whose logits GEMM wrote ``E``
     (``exp``: ``exp_logits``'s ``(stats, tiles)``, ``backend.factored``), and its gradients:
-    ``grad_x = diag(alpha) (E W)``, ``grad_W += E^T (diag(alpha) x)``."""
+    ``grad_x = diag(alpha) (E W)``, ``grad_W += E^T (diag(alpha) x)``, each with the label's term
+    (``triton_factored``'s docstring)."""
     factored = backend.factored
     local_stats, tiles = exp
     stats = layout.combine_stats(local_stats(y_local))
@@ -91,12 +92,14 @@ def _factored_chunk(
     losses = rowmath.row_losses(stats, keep, soft, row_weight, weights, loss, v_total, torch)
     if grads.x is None and grads.weight is None:
         return losses
-    alpha = factored.settle(z, tiles, stats, q_factor, c_hard, y_local, loss, sparse, OPS.set_at)
+    alpha, label = factored.settle(z, tiles, stats, q_factor, c_hard, y_local, loss, sparse, OPS.set_at)
     if grads.x is not None:
-        factored.scale_rows(gemm.mm_f32(z, weight, parts), alpha, grads.x[start : start + z.shape[0]])
+        product = gemm.mm_f32(z, weight, parts)
+        factored.scale_rows(product, alpha, grads.x[start : start + z.shape[0]], label, weight)
     if grads.weight is not None:
         scaled = factored.scale_rows(xc, alpha, torch.empty_like(xc))
         gemm.accumulate(grads.weight, z, scaled, start == 0, parts)
+        factored.add_label_rows(grads.weight, xc, label)
     return losses
 
 

@@ -10,16 +10,23 @@ term's at ``T = 1``) are, with the row's factor of ``q`` ``w_r = c_hard + c_soft
 
     dL/dz_j = alpha_r E_j,   alpha_r = w_r logit_scale exp(s_r - lse_r),   E_j = exp(a_j - s_r) u_j
 
-except at the label and the teacher's tokens, whose ``E_j`` are rewritten after the GEMM as
-``dL/dz_j / alpha_r``. So ``grad_x = diag(alpha) (E W)`` (the product in float32, scaled once)
-and ``grad_W += E^T (diag(alpha) x)``: the GEMMs read ``E`` where they would read ``dL/dz``, so
-no ``finish`` pass (read the logits, write ``dL/dz``) runs, and the ``stats`` pass is the logits
-GEMM's epilogue. That epilogue cannot know ``lse_r`` yet, so it writes ``E`` with the
-fixed shift ``SHIFT`` in bfloat16, whose range is float32's. The shift is kept only while the
-row's maximum ``a`` lies in ``[LO, HI]``: then ``E <= e^(HI - SHIFT)`` sums in float32 without
-overflow; the entries it flushes to zero lie more than ``SHIFT - LO + 87`` below the row's
-maximum (``q < e^-100``); and ``alpha >= w logit_scale e^(SHIFT - HI - log V)`` keeps
-``diag(alpha) x`` a normal bfloat16 number for ``w logit_scale`` down to about ``1e-8``.
+plus, at the label ``y_r``, the hard term's ``d_r = -c_hard logit_scale u_y``; the teacher's
+tokens' ``E_j`` are rewritten after the GEMM as ``dL/dz_j / alpha_r`` (the label's term with them
+where the label is one of them). So ``grad_x = diag(alpha) (E W) + diag(d) W_y`` (the product in
+float32, scaled and the label's row added once, then rounded) and ``grad_W += E^T (diag(alpha) x)``,
+then ``grad_W_y += sum_r d_r x_r`` over the rows of each label (summed in float32, rounded once):
+the GEMMs read ``E`` where they would read ``dL/dz``, so no ``finish`` pass (read the logits,
+write ``dL/dz``) runs, and the ``stats`` pass is the logits GEMM's epilogue. The label's term is
+kept apart because it is the largest entry of a row, near ``-c_hard``: written into ``E`` as
+``dL/dz_y / alpha_r`` it takes bfloat16's rounding at a mantissa ``alpha`` makes arbitrary, and
+``grad_weight``'s error against float64 doubles (docs/design-notes.md).
+
+The logits GEMM's epilogue cannot know ``lse_r`` yet, so it writes ``E`` with the fixed shift
+``SHIFT`` in bfloat16, whose range is float32's. The shift is kept only while the row's maximum
+``a`` lies in ``[LO, HI]``: then ``E <= e^(HI - SHIFT)`` sums in float32 without overflow; the
+entries it flushes to zero lie more than ``SHIFT - LO + 87`` below the row's maximum (``q <
+e^-100``); and ``alpha >= w logit_scale e^(SHIFT - HI - log V)`` keeps ``diag(alpha) x`` a normal
+bfloat16 number for ``w logit_scale`` down to about ``1e-8``.
 A column tile whose maximum leaves the window takes that maximum as its shift instead;
 :func:`settle` rescales the rows holding such tiles to ``s_r`` = the row's maximum (one program
 a row; the others do nothing). No host synchronisation. The top-k teacher's math needs the
@@ -37,6 +44,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -161,12 +169,64 @@ def _logits_at_kernel(
 
 
 @triton.jit
-def _scale_rows_kernel(src_ptr, alpha_ptr, out_ptr, H, src_stride, out_stride, BH: tl.constexpr):
+def _scale_rows_kernel(
+    src_ptr, alpha_ptr, out_ptr, coef_ptr, y_ptr, w_ptr, H, src_stride, out_stride, LABEL: tl.constexpr,
+    BH: tl.constexpr,
+):  # fmt: skip
+    """``out_r = alpha_r src_r`` (plus ``coef_r W_{y_r}`` with ``LABEL``), in float32, rounded once."""
     r = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BH + tl.arange(0, BH)
     keep = cols < H
     v = tl.load(src_ptr + r * src_stride + cols, mask=keep, other=0.0).to(tl.float32) * tl.load(alpha_ptr + r)
+    if LABEL:
+        coef = tl.load(coef_ptr + r)
+        if coef != 0.0:
+            w_row = w_ptr + tl.load(y_ptr + r).to(tl.int64) * H
+            v += coef * tl.load(w_row + cols, mask=keep, other=0.0).to(tl.float32)
     tl.store(out_ptr + r * out_stride + cols, v.to(out_ptr.dtype.element_ty), mask=keep)
+
+
+@triton.jit
+def _label_rows_kernel(gw_ptr, x_ptr, coef_ptr, key_ptr, order_ptr, rows, V, H, gw_stride, x_stride,
+                       BH: tl.constexpr):  # fmt: skip
+    """``gw_k += sum_r coef_r x_r`` over the rows ``r`` whose label is ``k``: the rows sorted by
+    ``key`` (their label, or ``V`` where they add nothing), the program at each label's first row
+    sums its rows in float32 and rounds the sum into ``gw`` once; the others do nothing."""
+    i = tl.program_id(0)
+    cols = tl.program_id(1) * BH + tl.arange(0, BH)
+    keep = cols < H
+    k = tl.load(key_ptr + i)
+    previous = tl.load(key_ptr + tl.maximum(i - 1, 0))
+    if (k < V) & ((i == 0) | (previous != k)):
+        acc = tl.zeros([BH], tl.float32)
+        j = i
+        k_j = k
+        while k_j == k:
+            r = tl.load(order_ptr + j).to(tl.int64)
+            acc += tl.load(coef_ptr + r) * tl.load(x_ptr + r * x_stride + cols, mask=keep, other=0.0).to(tl.float32)
+            j += 1
+            k_j = tl.load(key_ptr + j, mask=j < rows, other=-1)
+        row = gw_ptr + k.to(tl.int64) * gw_stride + cols
+        g = tl.load(row, mask=keep, other=0.0).to(tl.float32)
+        tl.store(row, (g + acc).to(gw_ptr.dtype.element_ty), mask=keep)
+
+
+class LabelTerm(NamedTuple):
+    """The hard term's entry at each row's label, kept apart from ``E``: ``dL/dz_{r, y_r}`` less
+    ``alpha_r E_{r, y_r}`` is ``coef_r`` (float32; 0 where the label is not in this vocabulary
+    slice, the row is ignored, or a top-k teacher's entry at the label holds it); ``y`` the
+    labels, 0 where ``coef`` is."""
+
+    coef: torch.Tensor
+    y: torch.Tensor
+
+
+class Factors(NamedTuple):
+    """A factored chunk's ``dL/dz = diag(alpha) E + diag(label.coef) onehot(label.y)``; ``label``
+    None without the hard term."""
+
+    alpha: torch.Tensor
+    label: LabelTerm | None
 
 
 @dataclass(frozen=True)
@@ -237,14 +297,13 @@ def settle(
     loss: Loss,
     sparse: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     set_at: Callable | None = None,
-) -> torch.Tensor:
-    """Make ``z`` the chunk's ``E`` and return ``alpha``. ``q_factor``: the rows' factor ``w`` of
-    ``q`` in ``dL/dz`` (``c_hard``, plus ``c_soft K`` with a top-k teacher); ``stats`` their
+) -> Factors:
+    """Make ``z`` the chunk's ``E`` and return its :class:`Factors`. ``q_factor``: the rows' factor
+    ``w`` of ``q`` in ``dL/dz`` (``c_hard``, plus ``c_soft K`` with a top-k teacher); ``stats`` their
     combined ``Stats``; ``y`` the local labels (None without the hard term); ``sparse``: ``(at, values,
     mask)``, the top-k teacher's ``dL/dz`` at its tokens, written with ``set_at``
     (``fused_kl.chunk.ChunkOps``). Rows out of the window are rescaled; rows with no dense part
-    (``w = 0``) but sparse values are zeroed first; the label entries are written, then the
-    sparse ones."""
+    (``w = 0``) but sparse values are zeroed first; then the sparse entries are written."""
     rows, v = z.shape
     flags, dense = tiles.bad, q_factor
     if sparse is not None:
@@ -255,26 +314,52 @@ def settle(
     _repair_kernel[(rows,)](z, tiles.max, tiles.shift, flags, rows, v, z.stride(0), BN=tiles.width)
     lse = stats[:, STATS.lse]  # at T: the exponent's; the same as the hard term's where both are used
     alpha = dense * loss.logit_scale * torch.exp(tiles.shift - lse)
-    divisor = torch.where(alpha == 0, 1.0, alpha)
-    if y is not None:  # dL/dz_y = logit_scale u_y (w q_y - c_hard)
+    label = None
+    if y is not None:  # dL/dz_y = logit_scale u_y (w q_y - c_hard): alpha E_y, and the label's term
         f_y = stats[:, STATS.label_logit]
         inside = (y >= 0) & (y < v)
-        at_y = torch.where(inside, y, 0)[:, None]
         u_y = 1.0 if loss.softcap is None else 1.0 - (f_y / loss.softcap) ** 2
-        label = loss.logit_scale * u_y * (q_factor * torch.exp(f_y - stats[:, STATS.lse_hard]) - c_hard) / divisor
-        z.scatter_(1, at_y, torch.where(inside, label, z.gather(1, at_y)[:, 0].float())[:, None].to(z.dtype))
+        if sparse is not None:  # a teacher's entry at the label holds the whole dL/dz_y
+            inside = inside & ~(mask & (at == y[:, None])).any(-1)
+        coef = torch.where(inside, -loss.logit_scale * u_y * c_hard, 0.0).float()
+        label = LabelTerm(coef, torch.where(inside, y, 0))
     if sparse is not None:
-        set_at(z, at, values / divisor[:, None], mask)
-    return alpha
+        set_at(z, at, values / torch.where(alpha == 0, 1.0, alpha)[:, None], mask)
+    return Factors(alpha, label)
 
 
-def scale_rows(src: torch.Tensor, alpha: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``out = diag(alpha) src`` in ``out``'s dtype, the product in float32; ``src``'s rows
-    contiguous (``out``'s too, else it is written through a copy)."""
+def scale_rows(
+    src: torch.Tensor,
+    alpha: torch.Tensor,
+    out: torch.Tensor,
+    label: LabelTerm | None = None,
+    weight: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``out = diag(alpha) src`` (plus ``diag(label.coef) weight[label.y]`` with ``label``) in
+    ``out``'s dtype, the sum in float32; ``src``'s rows contiguous (``out``'s too, else it is
+    written through a copy)."""
     rows, h = src.shape
     if out.stride(-1) != 1:
-        return out.copy_(scale_rows(src, alpha, torch.empty(out.shape, dtype=out.dtype, device=out.device)))
+        scaled = scale_rows(src, alpha, torch.empty(out.shape, dtype=out.dtype, device=out.device), label, weight)
+        return out.copy_(scaled)
     if rows:
+        coef, y = (alpha, alpha) if label is None else label
         grid = (rows, triton.cdiv(h, 1024))
-        _scale_rows_kernel[grid](src, alpha, out, h, src.stride(0), out.stride(0), BH=1024)
+        _scale_rows_kernel[grid](
+            src, alpha, out, coef, y, src if weight is None else weight, h, src.stride(0), out.stride(0),
+            LABEL=label is not None, BH=1024,
+        )  # fmt: skip
     return out
+
+
+def add_label_rows(grad_w: torch.Tensor, x: torch.Tensor, label: LabelTerm | None) -> None:
+    """``grad_w[k] += sum of label.coef_r x_r`` over the rows ``r`` labelled ``k``: the label's term of
+    ``grad_W += dL/dzᵀ x``, after the GEMM over ``E`` (``x``'s rows contiguous)."""
+    if label is None or not x.shape[0]:
+        return
+    rows, h = x.shape
+    key, order = torch.sort(torch.where(label.coef != 0, label.y, grad_w.shape[0]), stable=True)
+    grid = (rows, triton.cdiv(h, 1024))
+    _label_rows_kernel[grid](
+        grad_w, x, label.coef, key, order, rows, grad_w.shape[0], h, grad_w.stride(0), x.stride(0), BH=1024
+    )
