@@ -66,11 +66,13 @@ def _allocate(x, weight, needs: Needs, run: RunOptions, has_chunks: bool, out: d
 def _factored_chunk(
     backend: Backend, exp: tuple, z, xc, weight, y, y_local, keep, row_weight, scales: rowmath.RowScales, topk,
     v0: int, grads: Grads, start: int, weights, loss: Loss, layout, v_total: int, parts: tuple[slice, ...],
+    label_rows,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """The rows' ``(shares of the loss, own losses)`` of a chunk whose logits GEMM wrote ``E``
     (``exp``: ``exp_logits``'s ``(stats, tiles)``, ``backend.factored``), and its gradients:
-    ``grad_x = diag(alpha) (E W)``, ``grad_W += E^T (diag(alpha) x)``, each with the label's term
-    (``triton_factored``'s docstring)."""
+    ``grad_x = diag(alpha) (E W)`` with the label's term (``triton_factored``'s docstring),
+    ``grad_W += E^T (diag(alpha) x)``; the label's term of ``grad_W`` is written into the call's
+    ``label_rows`` (a ``LabelTerm`` of ``[N]`` arrays), added once after the last chunk."""
     factored = backend.factored
     local_stats, tiles = exp
     stats = layout.combine_stats(local_stats(y_local))
@@ -99,7 +101,9 @@ def _factored_chunk(
     if grads.weight is not None:
         scaled = factored.scale_rows(xc, alpha, torch.empty_like(xc))
         gemm.accumulate(grads.weight, z, scaled, start == 0, parts)
-        factored.add_label_rows(grads.weight, xc, label)
+        if label is not None:
+            label_rows.coef[start : start + z.shape[0]] = label.coef
+            label_rows.y[start : start + z.shape[0]] = label.y
     return losses
 
 
@@ -185,6 +189,12 @@ def forward(
     row_loss = torch.empty(n, dtype=torch.float32, device=dev)  # each row's share of the loss
     own_loss = out.get("row_losses")
     own_loss = torch.empty(n, dtype=torch.float32, device=dev) if own_loss is None else own_loss
+    # A factored chunk's label term of grad_weight, the largest entries of its rows: summed over
+    # every chunk in float32 and rounded into grad_weight once, after the last chunk, so that the
+    # chunks' bfloat16 roundings of the accumulator fall on the small terms of E alone.
+    label_rows = None
+    if factored is not None and grads.weight is not None and hard_labels is not None:
+        label_rows = factored.LabelTerm(torch.zeros(n, device=dev), torch.zeros(n, dtype=torch.long, device=dev))
     for start, stop in plan.bounds:
         xc, z = x[start:stop], buf[: stop - start]
         t_first, (exp, stats) = first if start == 0 else (None, logits(start, stop))
@@ -196,7 +206,7 @@ def forward(
             row_loss[start:stop], own_loss[start:stop] = _factored_chunk(
                 backend, exp, z, xc, weight, y, y_local, keep[start:stop], rw,
                 rowmath.RowScales(*(s[start:stop] for s in scales)), topk, v0, grads, start, weights, loss, layout,
-                v_total, parts,
+                v_total, parts, label_rows,
             )  # fmt: skip
             continue
         local_stats = None if stats is None else stats(y_local)
@@ -220,6 +230,8 @@ def forward(
         if grads.bias is not None:
             grads.bias.add_(z.sum(0, dtype=torch.float32))
 
+    if label_rows is not None:
+        factored.add_label_rows(grads.weight, x, label_rows)  # type: ignore[union-attr]
     if invalid is not None:
         row_loss.masked_fill_(invalid, float("nan"))
         own_loss.masked_fill_(invalid, float("nan"))

@@ -14,7 +14,9 @@ plus, at the label ``y_r``, the hard term's ``d_r = -c_hard logit_scale u_y``; t
 tokens' ``E_j`` are rewritten after the GEMM as ``dL/dz_j / alpha_r`` (the label's term with them
 where the label is one of them). So ``grad_x = diag(alpha) (E W) + diag(d) W_y`` (the product in
 float32, scaled and the label's row added once, then rounded) and ``grad_W += E^T (diag(alpha) x)``,
-then ``grad_W_y += sum_r d_r x_r`` over the rows of each label (summed in float32, rounded once):
+then ``grad_W_y += sum_r d_r x_r`` over the rows of each label (summed in float32 over every
+chunk, rounded once after the last, so that the chunks' roundings of ``grad_W`` fall on ``E``'s
+small terms alone):
 the GEMMs read ``E`` where they would read ``dL/dz``, so no ``finish`` pass (read the logits,
 write ``dL/dz``) runs, and the ``stats`` pass is the logits GEMM's epilogue. The label's term is
 kept apart because it is the largest entry of a row, near ``-c_hard``: written into ``E`` as
@@ -354,7 +356,7 @@ def scale_rows(
 
 def add_label_rows(grad_w: torch.Tensor, x: torch.Tensor, label: LabelTerm | None) -> None:
     """``grad_w[k] += sum of label.coef_r x_r`` over the rows ``r`` labelled ``k``: the label's term of
-    ``grad_W += dL/dzᵀ x``, after the GEMM over ``E`` (``x``'s rows contiguous)."""
+    ``grad_W += dL/dzᵀ x``, after every chunk's GEMM over ``E`` (``x``'s rows contiguous)."""
     if label is None or not x.shape[0]:
         return
     rows, h = x.shape
