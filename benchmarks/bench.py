@@ -14,8 +14,8 @@ backward of the ``--mode``'s loss (:mod:`benchmarks.modes`) on the same bf16 inp
   the row, plus the temporaries and outputs of the compiled JAX programs (XLA's memory
   analysis), since each framework's allocator is blind to the other's; and the same minus
   the gradients, i.e. what the loss costs beyond ``grad_x`` and ``grad_weight``;
-* at the smallest ``N`` only, the relative error ``||g - ref|| / ||ref||`` of ``grad_weight``
-  and ``grad_x`` against the float64 reference, ``fused_kl.reference``.
+* the relative error ``||g - ref|| / ||ref||`` of ``grad_weight`` and ``grad_x`` against the
+  float64 reference, ``fused_kl.reference`` (made a block of rows at a time: ``modes.reference_grads``).
 
 Rows that cannot fit (estimated beforehand) are skipped, rows that run out of memory are marked
 ``OOM``, and rows that fail are marked and printed: one bad row never ends the run. The table
@@ -185,7 +185,7 @@ def run(cfg: Config, impls: dict[str, Impl], on_gpu: bool) -> list[Row]:
         weight = make_weight(head.h, head.v, device)
         for n in cfg.n:
             inputs = make_inputs(mode, weight, n)
-            ref = reference_grads(inputs) if n == cfg.n[0] else None  # only the smallest N, to save time
+            ref = reference_grads(inputs)
             release()  # the reference's float64 temporaries
             floor_step = _floor_step(impls, inputs, cfg)
             for name in cfg.impls:

@@ -159,13 +159,31 @@ def make_inputs(mode: Mode, weight: torch.Tensor, n: int) -> Inputs:
     return Inputs(mode, x, weight, arrays)
 
 
+ROW_ARRAYS = ("target", "labels", "target_indices")  # the arrays with a row per row of x
+REFERENCE_ROWS = 2048  # rows of the float64 reference at a time: its temporaries stay a few GiB at any N
+
+
 def reference_grads(inputs: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
     """``(grad_x, grad_weight)`` of the mode's loss from :mod:`fused_kl.reference` (float64 on the
-    inputs' device), kept in fp32: plenty to measure a bf16 gradient's error."""
+    inputs' device), kept in fp32: plenty to measure a bf16 gradient's error. Made
+    ``REFERENCE_ROWS`` rows at a time, each block's mean over its rows weighed by its share of
+    ``N`` (every mode's loss is a mean over rows, and the bench's rows are all kept), its
+    ``grad_weight`` summed in float64."""
     from fused_kl.reference import reference, reference_cross_entropy
 
-    if inputs.mode.teacher is None:
-        want = reference_cross_entropy(inputs.x, inputs.weight, inputs.arrays["labels"], **inputs.mode.options)
-    else:
-        want = reference(inputs.x, inputs.weight, **inputs.arrays, **inputs.mode.options)
-    return want.grad_x.float(), want.grad_weight.float()
+    n = inputs.n
+    grad_x = torch.empty(inputs.x.shape, dtype=torch.float32, device=inputs.x.device)
+    grad_w = torch.zeros(inputs.weight.shape, dtype=torch.float64, device=inputs.x.device)
+    for start in range(0, n, REFERENCE_ROWS):
+        stop = min(n, start + REFERENCE_ROWS)
+        rows = {k: a[start:stop] if k in ROW_ARRAYS else a for k, a in inputs.arrays.items()}
+        x = inputs.x[start:stop]
+        if inputs.mode.teacher is None:
+            want = reference_cross_entropy(x, inputs.weight, rows["labels"], **inputs.mode.options)
+        else:
+            want = reference(x, inputs.weight, **rows, **inputs.mode.options)
+        share = (stop - start) / n
+        grad_x[start:stop] = torch.as_tensor(want.grad_x) * share
+        grad_w += torch.as_tensor(want.grad_weight, dtype=torch.float64) * share
+        del want
+    return grad_x, grad_w.float()
