@@ -341,12 +341,13 @@ def test_on_the_gpu_the_gradients_are_as_accurate_as_the_unfused_bfloat16_loss(n
 
 def test_the_label_rows_are_added_once_after_the_last_chunk(monkeypatch):
     """Over several chunks, ``grad_weight``'s label term is added by one call over all ``N`` rows,
-    after every chunk's GEMM, and the result matches float64."""
+    after every chunk's GEMM, in float32 whatever torch's default dtype, and the result matches
+    float64."""
     calls = []
     original = triton_factored.add_label_rows
 
     def spy(grad_w, x, label):
-        calls.append((x.shape[0], int(torch.count_nonzero(label.coef))))
+        calls.append((x.shape[0], int(torch.count_nonzero(label.coef)), label.coef.dtype))
         return original(grad_w, x, label)
 
     monkeypatch.setattr(triton_factored, "add_label_rows", spy)
@@ -361,9 +362,28 @@ def test_the_label_rows_are_added_once_after_the_last_chunk(monkeypatch):
     y[:8] = 5
     y[9] = -100
     xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
-    torch_kl.fused_linear_cross_entropy(xr, wr, y, backend="triton", chunk_size=16).backward()
-    assert chunks == [16, 16, 8] and calls == [(n, n - 1)]
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch_kl.fused_linear_cross_entropy(xr, wr, y, backend="triton", chunk_size=16).backward()
+    finally:
+        torch.set_default_dtype(default)
+    assert chunks == [16, 16, 8] and calls == [(n, n - 1, torch.float32)]
     xd, wd = x.double().requires_grad_(), w.double().requires_grad_()
     F.cross_entropy(xd @ wd.T, y).backward()
     for got, ref in ((xr.grad, xd.grad), (wr.grad, wd.grad)):
         assert float((got.double() - ref).norm() / ref.norm()) < 1e-2
+
+
+def test_a_label_most_rows_share_is_summed_in_blocks_of_rows():
+    """300 rows of one label (many blocks of rows), the rest alone: each label's rows summed once."""
+    gen = torch.Generator().manual_seed(10)
+    rows, v, h = 331, 7, 300
+    x = torch.randn(rows, h, generator=gen).to(torch.bfloat16)
+    y = torch.full((rows,), 2)
+    y[300:] = torch.tensor([0, 1, 3, 4, 5, 6] * 6)[:31]
+    coef = -torch.rand(rows, generator=gen) / rows
+    grad_w = torch.zeros(v, h, dtype=torch.float32)
+    triton_factored.add_label_rows(grad_w, x, triton_factored.LabelTerm(coef, y))
+    want = torch.zeros(v, h, dtype=torch.float64).index_add(0, y, coef.double()[:, None] * x.double())
+    torch.testing.assert_close(grad_w.double(), want, rtol=1e-5, atol=1e-9)

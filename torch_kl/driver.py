@@ -191,10 +191,9 @@ def forward(
     own_loss = torch.empty(n, dtype=torch.float32, device=dev) if own_loss is None else own_loss
     # A factored chunk's label term of grad_weight, the largest entries of its rows: summed over
     # every chunk in float32 and rounded into grad_weight once, after the last chunk, so that the
-    # chunks' bfloat16 roundings of the accumulator fall on the small terms of E alone.
+    # chunks' bfloat16 roundings of the accumulator fall on the small terms of E alone. Made at
+    # the first factored chunk: a call none of whose chunks factors pays nothing.
     label_rows = None
-    if factored is not None and grads.weight is not None and hard_labels is not None:
-        label_rows = factored.LabelTerm(torch.zeros(n, device=dev), torch.zeros(n, dtype=torch.long, device=dev))
     for start, stop in plan.bounds:
         xc, z = x[start:stop], buf[: stop - start]
         t_first, (exp, stats) = first if start == 0 else (None, logits(start, stop))
@@ -203,6 +202,9 @@ def forward(
         rw = None if row_weight is None else row_weight[start:stop]
         topk = None if teacher.indices is None else (teacher.target[start:stop], teacher.indices[start:stop])
         if exp is not None:
+            if label_rows is None and grads.weight is not None and hard_labels is not None:
+                coef, at = torch.zeros(n, dtype=torch.float32, device=dev), torch.zeros(n, dtype=torch.long, device=dev)
+                label_rows = factored.LabelTerm(coef, at)  # type: ignore[union-attr]
             row_loss[start:stop], own_loss[start:stop] = _factored_chunk(
                 backend, exp, z, xc, weight, y, y_local, keep[start:stop], rw,
                 rowmath.RowScales(*(s[start:stop] for s in scales)), topk, v0, grads, start, weights, loss, layout,

@@ -181,7 +181,7 @@ def _scale_rows_kernel(
     keep = cols < H
     v = tl.load(src_ptr + r * src_stride + cols, mask=keep, other=0.0).to(tl.float32) * tl.load(alpha_ptr + r)
     if LABEL:
-        coef = tl.load(coef_ptr + r)
+        coef = tl.load(coef_ptr + r).to(tl.float32)
         if coef != 0.0:
             w_row = w_ptr + tl.load(y_ptr + r).to(tl.int64) * H
             v += coef * tl.load(w_row + cols, mask=keep, other=0.0).to(tl.float32)
@@ -190,10 +190,12 @@ def _scale_rows_kernel(
 
 @triton.jit
 def _label_rows_kernel(gw_ptr, x_ptr, coef_ptr, key_ptr, order_ptr, rows, V, H, gw_stride, x_stride,
-                       BH: tl.constexpr):  # fmt: skip
+                       BR: tl.constexpr, BH: tl.constexpr):  # fmt: skip
     """``gw_k += sum_r coef_r x_r`` over the rows ``r`` whose label is ``k``: the rows sorted by
     ``key`` (their label, or ``V`` where they add nothing), the program at each label's first row
-    sums its rows in float32 and rounds the sum into ``gw`` once; the others do nothing."""
+    sums its rows in float32, ``BR`` at a time (a label that many rows share costs a few wide
+    loads, not a chain of one row after another), and rounds the sum into ``gw`` once; the
+    others do nothing."""
     i = tl.program_id(0)
     cols = tl.program_id(1) * BH + tl.arange(0, BH)
     keep = cols < H
@@ -202,12 +204,16 @@ def _label_rows_kernel(gw_ptr, x_ptr, coef_ptr, key_ptr, order_ptr, rows, V, H, 
     if (k < V) & ((i == 0) | (previous != k)):
         acc = tl.zeros([BH], tl.float32)
         j = i
-        k_j = k
-        while k_j == k:
-            r = tl.load(order_ptr + j).to(tl.int64)
-            acc += tl.load(coef_ptr + r) * tl.load(x_ptr + r * x_stride + cols, mask=keep, other=0.0).to(tl.float32)
-            j += 1
-            k_j = tl.load(key_ptr + j, mask=j < rows, other=-1)
+        more = k == k
+        while more:
+            at = j + tl.arange(0, BR)
+            same = tl.load(key_ptr + at, mask=at < rows, other=-1) == k  # a prefix: the keys are sorted
+            r = tl.load(order_ptr + at, mask=same, other=0).to(tl.int64)
+            c = tl.load(coef_ptr + r, mask=same, other=0.0).to(tl.float32)
+            xs = tl.load(x_ptr + r[:, None] * x_stride + cols[None, :], mask=same[:, None] & keep[None, :], other=0.0)
+            acc += tl.sum(c[:, None] * xs.to(tl.float32), axis=0)
+            j += BR
+            more = (tl.sum(same.to(tl.int32), axis=0) == BR) & (j < rows)
         row = gw_ptr + k.to(tl.int64) * gw_stride + cols
         g = tl.load(row, mask=keep, other=0.0).to(tl.float32)
         tl.store(row, (g + acc).to(gw_ptr.dtype.element_ty), mask=keep)
@@ -217,7 +223,7 @@ class LabelTerm(NamedTuple):
     """The hard term's entry at each row's label, kept apart from ``E``: ``dL/dz_{r, y_r}`` less
     ``alpha_r E_{r, y_r}`` is ``coef_r`` (float32; 0 where the label is not in this vocabulary
     slice, the row is ignored, or a top-k teacher's entry at the label holds it); ``y`` the
-    labels, 0 where ``coef`` is."""
+    labels, 0 where the label is not in this slice or the teacher's entry holds it."""
 
     coef: torch.Tensor
     y: torch.Tensor
@@ -361,7 +367,7 @@ def add_label_rows(grad_w: torch.Tensor, x: torch.Tensor, label: LabelTerm | Non
         return
     rows, h = x.shape
     key, order = torch.sort(torch.where(label.coef != 0, label.y, grad_w.shape[0]), stable=True)
-    grid = (rows, triton.cdiv(h, 1024))
+    grid = (rows, triton.cdiv(h, 256))
     _label_rows_kernel[grid](
-        grad_w, x, label.coef, key, order, rows, grad_w.shape[0], h, grad_w.stride(0), x.stride(0), BH=1024
+        grad_w, x, label.coef, key, order, rows, grad_w.shape[0], h, grad_w.stride(0), x.stride(0), BR=16, BH=256
     )
