@@ -14,6 +14,7 @@ from harness import assert_matches, make_inputs, run, torch_tensors
 import torch_kl
 from fused_kl.loss import Loss
 from fused_kl.plan import ROW_STRIDE_MULTIPLE, padded_row_stride
+from fused_kl.reference import reference
 from torch_kl import backends, gemm, teachers
 from torch_kl.backends import torch_phases, triton_factored, triton_logits, triton_phases
 from torch_kl.driver import chunk_buffer
@@ -227,3 +228,26 @@ def test_the_loss_is_the_same_with_the_gemms_split_or_whole():
         results.append([loss.detach(), *(a.grad for a in arrays.values())])
     for a, b in zip(*results, strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_the_padding_is_zero_so_a_cpu_gemm_that_reads_it_adds_nothing(monkeypatch):
+    """torch's bfloat16 GEMM on the CPU reads a row's padding (times zeros): with every new
+    buffer full of NaN, as uninitialized memory can be, the gradients stay finite and right."""
+    empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        out = empty(*args, **kwargs)
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    gen = torch.Generator().manual_seed(3)
+    n, h, v = 33, 3, 45
+    x = torch.randn(n, h, generator=gen).to(torch.bfloat16).requires_grad_()
+    w = torch.randn(v, h, generator=gen).to(torch.bfloat16).requires_grad_()
+    t = torch.randn(n, v, generator=gen).log_softmax(-1)
+    torch_kl.fused_linear_kl_div(x, w, t, target_format="log_probs", backend="torch").backward()
+    want = reference(x.detach(), w.detach(), t, target_format="log_probs")
+    for got, ref in ((x.grad, want.grad_x), (w.grad, want.grad_weight)):
+        ref = torch.as_tensor(ref, dtype=torch.float64)
+        assert torch.isfinite(got).all()
+        assert float((got.double() - ref).norm() / ref.norm()) < 3e-2

@@ -40,8 +40,12 @@ class Grads:
 def chunk_buffer(rows: int, v: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """An uninitialized ``[rows, v]`` buffer whose rows lie ``padded_row_stride(v)`` elements apart:
     the first ``v`` columns of a wider buffer (all of it when ``v`` is aligned). Every GEMM and row
-    kernel takes the row stride; none reads the padding."""
-    return torch.empty(rows, padded_row_stride(v), dtype=dtype, device=device)[:, :v]
+    kernel takes the row stride and no kernel of ours reads the padding, which is zeroed: torch's
+    bfloat16 GEMMs on the CPU read a row's padding and multiply it by zeros, so a NaN left there
+    would reach the product."""
+    wide = torch.empty(rows, padded_row_stride(v), dtype=dtype, device=device)
+    wide[:, v:].zero_()
+    return wide[:, :v]
 
 
 def _allocate(x, weight, needs: Needs, run: RunOptions, has_chunks: bool, out: dict) -> Grads:
