@@ -79,6 +79,32 @@ def topk_part(
     return soft, k, at, g_at, local & weighed[:, None]
 
 
+class LabelTerm(NamedTuple):
+    """The hard term's entry at each row's label, kept apart from a chunk's bfloat16 ``dL/dz``:
+    ``dL/dz_{r, y_r}`` less what ``dL/dz`` holds there is ``coef_r`` (float32; 0 where the label is
+    not in this vocabulary slice, the row is ignored, or a top-k teacher's entry at the label
+    holds it); ``y`` the labels as columns of this slice, 0 where ``coef`` is. The drivers add
+    ``diag(coef) weight[y]`` to ``grad_x`` in float32 and ``coef_r x_r`` to ``grad_weight[y_r]``
+    once, after the last chunk: a row's largest entry then takes no bfloat16 rounding of ``dL/dz``
+    nor one of the accumulator per chunk."""
+
+    coef: Any
+    y: Any
+
+
+def label_term(y: Any, v_local: int, c_hard: Any, label_logit: Any, loss: Loss, held: Any | None, xp: Any) -> LabelTerm:
+    """The rows' :class:`LabelTerm`: ``-(1 - eps_ls) c_hard f'(z_y)`` (``fused_kl.terms``), with
+    ``y`` the local labels of a slice of ``v_local`` columns, ``label_logit`` the rows' ``f(z_y)``
+    (``Stats.label_logit``, whence the softcap's slope) and ``held`` where another writer holds
+    the label's entry (None: nowhere)."""
+    inside = (y >= 0) & (y < v_local)
+    if held is not None:
+        inside = inside & ~held
+    u_y = 1.0 if loss.softcap is None else 1.0 - (label_logit / loss.softcap) ** 2
+    coef = -(1.0 - loss.label_smoothing) * loss.logit_scale * u_y * c_hard
+    return LabelTerm(xp.asarray(xp.where(inside, coef, 0.0), dtype=xp.float32), xp.where(inside, y, 0))
+
+
 class VocabPart(NamedTuple):
     """Columns ``start ...`` of this vocabulary slice as one array: their logits ``z`` (``[rows,
     width]``), the dense teacher's same columns ``t`` (as the row kernels take it, or None) and
@@ -117,14 +143,18 @@ def row_phases(
     write_grad: bool,
     ops: ChunkOps,
     local_stats: Any | None = None,
-) -> tuple[tuple[Any, ...] | None, Any, Any]:
-    """``(each part's dL/dz, or None; the rows' shares of the loss; their own losses)`` of a chunk
+    label_apart: bool = False,
+) -> tuple[tuple[Any, ...] | None, LabelTerm | None, Any, Any]:
+    """``(each part's dL/dz, or None; its LabelTerm, or None; the rows' shares of the loss; their
+    own losses)`` of a chunk
     whose logits and dense teacher are ``parts`` (``rowmath.row_losses``): ``y`` its hard side's
     labels (``rowmath.hard_labels``), ``keep`` its kept-row mask, ``row_weight`` its rows'
     weights (or None) and ``scales`` its ``rowmath.grad_scales`` (made once per call: per chunk
     they would be a few more small kernels each), ``topk`` its ``(log-probs, token ids)``;
-    ``local_stats``: the ``stats`` phase's result when the logits GEMM already made it. The
-    parts' statistics and sums combine as vocabulary slices' do, before the layout's."""
+    ``local_stats``: the ``stats`` phase's result when the logits GEMM already made it;
+    ``label_apart``: the cross-entropy's label entries are left out of ``dL/dz`` and returned as a
+    :class:`LabelTerm` (the caller adds them). The parts' statistics and sums combine as
+    vocabulary slices' do, before the layout's."""
     xp = ops.xp
     y_local = local_labels(y, v0, loss)
     ys = [y_local if y_local is None or p.start == 0 else y_local - p.start for p in parts]
@@ -147,6 +177,7 @@ def row_phases(
     elif kind == "reverse":  # R came with the statistics
         soft_sums = rowmath.reverse_sums(stats, loss, xp)
     topk_const = None
+    width = sum(z.shape[1] for z in zs)
     if topk is not None:
 
         def logits_at(at: Any, _: Any) -> Any:
@@ -155,13 +186,17 @@ def row_phases(
             return sum(xp.where(_in_part(at, p), ops.gather(p.z, _column_in(at, p, xp)), 0.0) for p in parts)
 
         row_scales = (scales.soft, scales.hard, rowmath.z_scale(stats, scales))
-        width = sum(z.shape[1] for z in zs)
         soft, topk_const, at, g_at, write = topk_part(
             logits_at, topk, y, row_scales, v0, width, stats, loss, v_total, layout, ops
         )  # fmt: skip
     coefs = rowmath.coefficients(stats, scales, soft_sums, topk_const, loss, xp)
     if topk is not None and write_grad:
         zs, g_at = ops.materialize(zs, g_at)
+    label = None
+    if label_apart and write_grad and loss.cross_entropy:
+        held = None if topk is None else (write & (at == y_local[:, None])).any(-1)
+        label = label_term(y_local, width, scales.hard, stats[:, STATS.label_logit], loss, held, xp)
+        ys = [xp.full_like(yp, -1) for yp in ys]  # finish's labels: no column matches, the entry is apart
     gs = partial = None
     if write_grad or kind == "forward":
         finished = [
@@ -180,4 +215,5 @@ def row_phases(
         gs = tuple(
             ops.set_at(g, _column_in(at, p, xp), g_at, write & _in_part(at, p)) for g, p in zip(gs, parts, strict=True)
         )
-    return (gs if write_grad else None), *rowmath.row_losses(stats, keep, soft, row_weight, weights, loss, v_total, xp)
+    losses = rowmath.row_losses(stats, keep, soft, row_weight, weights, loss, v_total, xp)
+    return (gs if write_grad else None), label, *losses

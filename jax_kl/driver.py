@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from fused_kl import rowmath
-from fused_kl.chunk import VocabPart, row_phases
+from fused_kl.chunk import LabelTerm, VocabPart, row_phases
 from fused_kl.loss import Loss
 from fused_kl.options import Needs, RunOptions
 from fused_kl.plan import plan_chunks
@@ -71,6 +71,9 @@ def forward(
     # products gathered by a concatenation at the end would all live beside its result.
     grad_x = jnp.zeros_like(x) if needs.x else None
     grad_w_parts = grad_b = None  # the first chunk's GEMMs write the accumulators: no [V, H] zero fill
+    # The chunks' label terms of grad_weight (fused_kl.chunk.LabelTerm), its largest entries:
+    # summed over every chunk in float32 and rounded into grad_weight once, after the last chunk.
+    labels: list[LabelTerm] = []
     done = kept  # what the previous chunk produced last
 
     def _per_row(start: int, stop: int) -> tuple:
@@ -97,23 +100,31 @@ def forward(
         parts = tuple(
             VocabPart(z, t, c.start, backend.chunk_phases(z, t)) for z, t, c in zip(zs, ts, vocab_cols, strict=True)
         )
-        gs, row_loss, own_loss = row_phases(
+        gs, label, row_loss, own_loss = row_phases(
             parts, y, kept_rows, rw, row_scales, topk, v0, v_total, weights, loss, layout, plan.tile, needs.any, OPS,
+            label_apart=True,
         )  # fmt: skip
         row_losses.append(row_loss)
         own_losses.append(own_loss)
         done = row_loss
         if needs.x:
-            grad_x = lax.dynamic_update_slice(grad_x, gemm.grad_x(gs, weight, x.dtype, vocab_cols), (start, 0))
+            grad_x = lax.dynamic_update_slice(grad_x, gemm.grad_x(gs, weight, x.dtype, vocab_cols, label), (start, 0))
         if needs.weight:
             grad_w_parts = gemm.accumulate(grad_w_parts, gs, xc, accum, backend.in_place_grad_weight)
+            if label is not None:
+                labels.append(label)
         if needs.bias:
             grad_b = _add(grad_b, jnp.concatenate([jnp.sum(g, axis=0, dtype=jnp.float32) for g in gs]))
+            if label is not None:
+                grad_b = grad_b.at[label.y].add(label.coef)
         if needs.weight or needs.bias:
             done = (grad_w_parts, grad_b)  # grad_x passes the next barrier itself
 
     total = jnp.sum(rowmath.nan_rows(invalid, jnp.concatenate(row_losses), jnp)) if row_losses else jnp.float32(0.0)
     rows = rowmath.nan_rows(invalid, jnp.concatenate(own_losses), jnp) if own_losses else jnp.zeros((0,), jnp.float32)
+    if labels:
+        together = LabelTerm(*(jnp.concatenate(column) for column in zip(*labels, strict=True)))
+        grad_w_parts = gemm.add_label_rows(grad_w_parts, vocab_cols, x, together)  # type: ignore[arg-type]
     grad_w = None if grad_w_parts is None else gemm.joined(grad_w_parts)
     if not plan.bounds:  # no rows
         grad_w = jnp.zeros((v, h), accum) if needs.weight else None

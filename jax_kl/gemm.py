@@ -17,7 +17,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from fused_kl.chunk import LabelTerm
+
 SPLIT_MULTIPLE = 128  # mosaic_accumulate.CTA_M, the in-place add's row tile (the TMA takes 64 bf16 columns)
+LABEL_BLOCK_BYTES = 1 << 26  # add_label_rows' float32 sums of one block of columns
 
 
 def dot(a: jax.Array, b: jax.Array, contract: tuple[int, int], out_dtype) -> jax.Array:
@@ -48,11 +51,17 @@ def logits(xc: jax.Array, weight: jax.Array, bias: jax.Array | None, dtype, part
     return out
 
 
-def grad_x(gs: Sequence[jax.Array], weight: jax.Array, dtype, parts: Sequence[slice]) -> jax.Array:
-    """``sum_p gs[p] weight[p]`` in ``dtype``: the parts' products summed in float32, rounded once."""
-    if len(parts) == 1:
+def grad_x(
+    gs: Sequence[jax.Array], weight: jax.Array, dtype, parts: Sequence[slice], label: LabelTerm | None = None
+) -> jax.Array:
+    """``sum_p gs[p] weight[p]`` (plus ``diag(label.coef) weight[label.y]``) in ``dtype``: the
+    parts' products and the label's term summed in float32, rounded once."""
+    if len(parts) == 1 and label is None:
         return dot(gs[0], weight, (1, 0), dtype)
-    return sum(dot(g, weight[cols], (1, 0), jnp.float32) for g, cols in zip(gs, parts, strict=True)).astype(dtype)
+    total = sum(dot(g, weight[cols], (1, 0), jnp.float32) for g, cols in zip(gs, parts, strict=True))
+    if label is not None:
+        total = total + label.coef[:, None] * weight[label.y].astype(jnp.float32)
+    return total.astype(dtype)
 
 
 def accumulate(
@@ -72,6 +81,37 @@ def accumulate(
         else:
             out.append(acc + dot(g, xc, (0, 0), dtype))
     return out
+
+
+def add_label_rows(
+    accs: list[jax.Array], parts: Sequence[slice], x: jax.Array, label: LabelTerm
+) -> list[jax.Array]:
+    """Each part's ``grad_weight`` rows with ``sum of label.coef_r x_r`` over the rows ``r``
+    labelled ``k`` added to row ``k``: the label's term of ``grad_W += dL/dzᵀ x``, after every
+    chunk's GEMM. Each label's sum is made in float32 and rounded into its row once; the sums
+    are made :data:`LABEL_BLOCK_BYTES` of float32 at a time, a block of columns each."""
+    n, h = x.shape
+    if not n:
+        return accs
+    v = parts[-1].stop
+    key = jnp.where(label.coef != 0, label.y, v)  # v: no row of any part
+    rows, inverse = jnp.unique(key, size=n, fill_value=v, return_inverse=True)
+    inverse = inverse.reshape(n)
+    width = max(1, min(h, LABEL_BLOCK_BYTES // (4 * n)))
+    for c0 in range(0, h, width):
+        cs = slice(c0, min(h, c0 + width))
+        # One block's float32 sums at a time: the barrier orders each after the previous block's adds.
+        xb, accs = lax.optimization_barrier((x[:, cs], accs))
+        sums = jax.ops.segment_sum(label.coef[:, None] * xb.astype(jnp.float32), inverse, num_segments=n)
+        accs = [_add_rows(acc, rows - part.start, cs, sums) for acc, part in zip(accs, parts, strict=True)]
+    return accs
+
+
+def _add_rows(acc: jax.Array, rows: jax.Array, cols: slice, sums: jax.Array) -> jax.Array:
+    """``acc[rows, cols] += sums`` in float32, rounded once; rows outside ``acc`` are skipped."""
+    at = jnp.where((rows >= 0) & (rows < acc.shape[0]), rows, acc.shape[0])
+    now = acc.at[at, cols].get(mode="fill", fill_value=0).astype(jnp.float32)
+    return acc.at[at, cols].set((now + sums).astype(acc.dtype), mode="drop")
 
 
 def joined(accs: list[jax.Array]) -> jax.Array:

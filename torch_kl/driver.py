@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from fused_kl import rowmath
-from fused_kl.chunk import VocabPart, local_labels, row_phases, topk_part
+from fused_kl.chunk import LabelTerm, VocabPart, local_labels, row_phases, topk_part
 from fused_kl.loss import Loss
 from fused_kl.options import Needs, RunOptions
 from fused_kl.plan import padded_row_stride, plan_chunks
@@ -208,7 +208,7 @@ def forward(
         if exp is not None:
             if label_rows is None and grads.weight is not None and hard_labels is not None:
                 coef, at = torch.zeros(n, dtype=torch.float32, device=dev), torch.zeros(n, dtype=torch.long, device=dev)
-                label_rows = factored.LabelTerm(coef, at)  # type: ignore[union-attr]
+                label_rows = LabelTerm(coef, at)
             row_loss[start:stop], own_loss[start:stop] = _factored_chunk(
                 backend, exp, z, xc, weight, y, y_local, keep[start:stop], rw,
                 rowmath.RowScales(*(s[start:stop] for s in scales)), topk, v0, grads, start, weights, loss, layout,
@@ -221,7 +221,7 @@ def forward(
         for a, b in plan.blocks(start, stop):
             at = slice(a - start, b - start)
             t = t_first if a == 0 else teacher_block(a, b)
-            _, row_loss[a:b], own_loss[a:b] = row_phases(
+            _, _, row_loss[a:b], own_loss[a:b] = row_phases(
                 (VocabPart(z[at], t, 0, phases),), None if y is None else y[at], keep[a:b],
                 None if rw is None else rw[at],
                 rowmath.RowScales(*(s[a:b] for s in scales)),

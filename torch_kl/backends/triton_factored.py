@@ -52,6 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fused_kl.chunk import LabelTerm, label_term
 from fused_kl.loss import Loss
 from fused_kl.rows import STATS, Stats
 
@@ -219,16 +220,6 @@ def _label_rows_kernel(gw_ptr, x_ptr, coef_ptr, key_ptr, order_ptr, rows, V, H, 
         tl.store(row, (g + acc).to(gw_ptr.dtype.element_ty), mask=keep)
 
 
-class LabelTerm(NamedTuple):
-    """The hard term's entry at each row's label, kept apart from ``E``: ``dL/dz_{r, y_r}`` less
-    ``alpha_r E_{r, y_r}`` is ``coef_r`` (float32; 0 where the label is not in this vocabulary
-    slice, the row is ignored, or a top-k teacher's entry at the label holds it); ``y`` the
-    labels, 0 where the label is not in this slice or the teacher's entry holds it."""
-
-    coef: torch.Tensor
-    y: torch.Tensor
-
-
 class Factors(NamedTuple):
     """A factored chunk's ``dL/dz = diag(alpha) E + diag(label.coef) onehot(label.y)``; ``label``
     None without the hard term."""
@@ -324,13 +315,8 @@ def settle(
     alpha = dense * loss.logit_scale * torch.exp(tiles.shift - lse)
     label = None
     if y is not None:  # dL/dz_y = logit_scale u_y (w q_y - c_hard): alpha E_y, and the label's term
-        f_y = stats[:, STATS.label_logit]
-        inside = (y >= 0) & (y < v)
-        u_y = 1.0 if loss.softcap is None else 1.0 - (f_y / loss.softcap) ** 2
-        if sparse is not None:  # a teacher's entry at the label holds the whole dL/dz_y
-            inside = inside & ~(mask & (at == y[:, None])).any(-1)
-        coef = torch.where(inside, -loss.logit_scale * u_y * c_hard, 0.0).float()
-        label = LabelTerm(coef, torch.where(inside, y, 0))
+        held = None if sparse is None else (mask & (at == y[:, None])).any(-1)  # a teacher's entry holds dL/dz_y
+        label = label_term(y, v, c_hard, stats[:, STATS.label_logit], loss, held, torch)
     if sparse is not None:
         set_at(z, at, values / torch.where(alpha == 0, 1.0, alpha)[:, None], mask)
     return Factors(alpha, label)
