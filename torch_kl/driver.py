@@ -48,6 +48,25 @@ def chunk_buffer(rows: int, v: int, dtype: torch.dtype, device: torch.device) ->
     return wide[:, :v]
 
 
+class LabelRows:
+    """The call's label terms of ``grad_weight`` (``fused_kl.chunk.LabelTerm``), every chunk's
+    rows in one ``[N]`` pair, made at the first chunk that has one: a call without pays nothing.
+    Their sums are rounded into ``grad_weight`` once, after the last chunk, so that the chunks'
+    bfloat16 roundings of the accumulator fall on the small terms alone."""
+
+    def __init__(self, n: int, device: torch.device) -> None:
+        self.n, self.device = n, device
+        self.term: LabelTerm | None = None
+
+    def put(self, start: int, label: LabelTerm) -> None:
+        if self.term is None:
+            zeros = [torch.zeros(self.n, dtype=t, device=self.device) for t in (torch.float32, torch.long)]
+            self.term = LabelTerm(*zeros)
+        stop = start + label.coef.shape[0]
+        self.term.coef[start:stop] = label.coef
+        self.term.y[start:stop] = label.y
+
+
 def _allocate(x, weight, needs: Needs, run: RunOptions, has_chunks: bool, out: dict) -> Grads:
     n, h = x.shape
     v, dev = weight.shape[0], x.device
@@ -70,13 +89,12 @@ def _allocate(x, weight, needs: Needs, run: RunOptions, has_chunks: bool, out: d
 def _factored_chunk(
     backend: Backend, exp: tuple, z, xc, weight, y, y_local, keep, row_weight, scales: rowmath.RowScales, topk,
     v0: int, grads: Grads, start: int, weights, loss: Loss, layout, v_total: int, parts: tuple[slice, ...],
-    label_rows,
+    label_rows: LabelRows,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """The rows' ``(shares of the loss, own losses)`` of a chunk whose logits GEMM wrote ``E``
     (``exp``: ``exp_logits``'s ``(stats, tiles)``, ``backend.factored``), and its gradients:
     ``grad_x = diag(alpha) (E W)`` with the label's term (``triton_factored``'s docstring),
-    ``grad_W += E^T (diag(alpha) x)``; the label's term of ``grad_W`` is written into the call's
-    ``label_rows`` (a ``LabelTerm`` of ``[N]`` arrays), added once after the last chunk."""
+    ``grad_W += E^T (diag(alpha) x)``; the label's term of ``grad_W`` goes to ``label_rows``."""
     factored = backend.factored
     local_stats, tiles = exp
     stats = layout.combine_stats(local_stats(y_local))
@@ -106,8 +124,7 @@ def _factored_chunk(
         scaled = factored.scale_rows(xc, alpha, torch.empty_like(xc))
         gemm.accumulate(grads.weight, z, scaled, start == 0, parts)
         if label is not None:
-            label_rows.coef[start : start + z.shape[0]] = label.coef
-            label_rows.y[start : start + z.shape[0]] = label.y
+            label_rows.put(start, label)
     return losses
 
 
@@ -193,11 +210,7 @@ def forward(
     row_loss = torch.empty(n, dtype=torch.float32, device=dev)  # each row's share of the loss
     own_loss = out.get("row_losses")
     own_loss = torch.empty(n, dtype=torch.float32, device=dev) if own_loss is None else own_loss
-    # A factored chunk's label term of grad_weight, the largest entries of its rows: summed over
-    # every chunk in float32 and rounded into grad_weight once, after the last chunk, so that the
-    # chunks' bfloat16 roundings of the accumulator fall on the small terms of E alone. Made at
-    # the first factored chunk: a call none of whose chunks factors pays nothing.
-    label_rows = None
+    label_rows = LabelRows(n, dev)
     for start, stop in plan.bounds:
         xc, z = x[start:stop], buf[: stop - start]
         t_first, (exp, stats) = first if start == 0 else (None, logits(start, stop))
@@ -206,9 +219,6 @@ def forward(
         rw = None if row_weight is None else row_weight[start:stop]
         topk = None if teacher.indices is None else (teacher.target[start:stop], teacher.indices[start:stop])
         if exp is not None:
-            if label_rows is None and grads.weight is not None and hard_labels is not None:
-                coef, at = torch.zeros(n, dtype=torch.float32, device=dev), torch.zeros(n, dtype=torch.long, device=dev)
-                label_rows = LabelTerm(coef, at)
             row_loss[start:stop], own_loss[start:stop] = _factored_chunk(
                 backend, exp, z, xc, weight, y, y_local, keep[start:stop], rw,
                 rowmath.RowScales(*(s[start:stop] for s in scales)), topk, v0, grads, start, weights, loss, layout,
@@ -218,26 +228,33 @@ def forward(
         local_stats = None if stats is None else stats(y_local)
         # One block unless a teacher head: its logits are made a block at a time, each block's
         # row phases done (dL/dz written over z) before the next block's GEMM overwrites them.
+        labels_of_blocks = []
         for a, b in plan.blocks(start, stop):
             at = slice(a - start, b - start)
             t = t_first if a == 0 else teacher_block(a, b)
-            _, _, row_loss[a:b], own_loss[a:b] = row_phases(
+            _, label, row_loss[a:b], own_loss[a:b] = row_phases(
                 (VocabPart(z[at], t, 0, phases),), None if y is None else y[at], keep[a:b],
                 None if rw is None else rw[at],
                 rowmath.RowScales(*(s[a:b] for s in scales)),
                 None if topk is None else (topk[0][at], topk[1][at]),
                 v0, v_total, weights, loss, layout, plan.tile, needs.any, OPS,
-                None if local_stats is None else local_stats[at],
+                None if local_stats is None else local_stats[at], label_apart=True,
             )  # fmt: skip
+            labels_of_blocks.append(label)
+        label = None if labels_of_blocks[0] is None else LabelTerm(*map(torch.cat, zip(*labels_of_blocks, strict=True)))
         if grads.x is not None:
-            gemm.grad_x(z, weight, grads.x[start:stop], parts)
+            gemm.grad_x(z, weight, grads.x[start:stop], parts, label)
         if grads.weight is not None:
             gemm.accumulate(grads.weight, z, xc, start == 0, parts)
+            if label is not None:
+                label_rows.put(start, label)
         if grads.bias is not None:
             grads.bias.add_(z.sum(0, dtype=torch.float32))
+            if label is not None:
+                grads.bias.index_add_(0, label.y, label.coef)
 
-    if label_rows is not None:
-        factored.add_label_rows(grads.weight, x, label_rows)  # type: ignore[union-attr]
+    if label_rows.term is not None:
+        (backend.add_label_rows or gemm.add_label_rows)(grads.weight, x, label_rows.term)
     if invalid is not None:
         row_loss.masked_fill_(invalid, float("nan"))
         own_loss.masked_fill_(invalid, float("nan"))

@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import torch
 
+from fused_kl.chunk import LabelTerm
 from fused_kl.plan import ROW_STRIDE_MULTIPLE
+
+LABEL_BLOCK_BYTES = 1 << 26  # add_label_rows' float32 sums of one block of columns
 
 _OUT_DTYPE: dict[tuple[str, torch.dtype], bool] = {}
 
@@ -85,13 +88,38 @@ def mm_f32(g: torch.Tensor, weight: torch.Tensor, parts: tuple[slice, ...]) -> t
     return out
 
 
-def grad_x(g: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, parts: tuple[slice, ...]) -> None:
+def grad_x(
+    g: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, parts: tuple[slice, ...], label: LabelTerm | None = None
+) -> None:
     """``out = g @ weight`` in ``out``'s dtype: the last (smallest) part's product first, the
-    others added to it by GEMMs that read it (beta = 1) and round their sum once."""
+    others added to it by GEMMs that read it (beta = 1) and round their sum once. With ``label``,
+    ``diag(label.coef) weight[label.y]`` is added to the float32 product before its rounding."""
+    if label is not None:
+        product = mm_f32(g, weight, parts)
+        out.copy_(product.addcmul_(label.coef[:, None], weight[label.y]))
+        return
     first, *rest = reversed(parts)
     torch.mm(g[:, first], weight[first], out=out)
     for cols in rest:
         out.addmm_(g[:, cols], weight[cols])
+
+
+def add_label_rows(grad_w: torch.Tensor, x: torch.Tensor, label: LabelTerm) -> None:
+    """``grad_w[k] += sum of label.coef_r x_r`` over the rows ``r`` labelled ``k``, each label's
+    sum made in float32 and rounded into its row once (``jax_kl.gemm.add_label_rows``); the sums
+    are made :data:`LABEL_BLOCK_BYTES` of float32 at a time, a block of columns each. Reads the
+    labels on the host (``torch.unique``): the Triton backend brings its own kernel."""
+    n, h = x.shape
+    v = grad_w.shape[0]
+    rows, inverse = torch.unique(torch.where(label.coef != 0, label.y, v), return_inverse=True)
+    kept = rows < v
+    at = rows[kept]
+    width = max(1, min(h, LABEL_BLOCK_BYTES // (4 * max(n, 1))))
+    for c0 in range(0, h, width):
+        cols = slice(c0, min(h, c0 + width))
+        terms = label.coef[:, None] * x[:, cols].float()
+        sums = torch.zeros(rows.shape[0], terms.shape[1], device=x.device).index_add_(0, inverse, terms)
+        grad_w[at, cols] = (grad_w[at, cols].float() + sums[kept]).to(grad_w.dtype)
 
 
 def logits(xc: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, z: torch.Tensor,

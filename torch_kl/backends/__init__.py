@@ -69,6 +69,9 @@ class Backend(NamedByEntry):
     for a vocabulary on one device, or None;
     ``scale_grad(grad, g)``: backward's in-place ``grad *= g`` on the device (``rescale``), or
     None for torch's multiply;
+    ``add_label_rows(grad_w, x, label)``: the label terms' rows of ``grad_weight`` added once
+    after the last chunk (``triton_factored.add_label_rows``; None: ``torch_kl.gemm``'s, which
+    reads the labels on the host);
     ``split_vocab_gemms``: at a vocabulary whose rows are not a multiple of 16 bytes, the cuBLAS
     GEMMs run over its aligned columns and the rest apart (``torch_kl.gemm.vocab_parts``; False
     prices that)."""
@@ -81,6 +84,7 @@ class Backend(NamedByEntry):
     factored: ModuleType | None = None
     factored_topk: Callable | None = None
     scale_grad: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    add_label_rows: Callable | None = None
     split_vocab_gemms: bool = True
 
 
@@ -111,6 +115,7 @@ def _triton(entry: Registered, device: torch.device) -> Backend:
         factored=triton_factored,
         factored_topk=triton_topk.topk_part,
         scale_grad=scale_,
+        add_label_rows=triton_factored.add_label_rows,
     )
 
 
