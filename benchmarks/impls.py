@@ -16,7 +16,8 @@ logits GEMM), ``-unfactored`` (``dL/dz`` written by ``finish``), ``-unchecked`` 
 checks), ``-whole-vocab-gemms`` (at an unaligned vocabulary, each cuBLAS GEMM over every column
 at once), ``jax_kl/pallas-cublas``, ``pallas_triton-cublas`` (XLA's Triton GEMMs off) and
 ``jax_kl/pallas-whole-vocab`` (at an unaligned vocabulary, the chunk as one array over every
-column); and
+column), ``-label-in-dz`` (both frameworks: the hard term's label entries written into ``dL/dz``);
+and
 what the loss's options cost: ``torch_kl/triton+row-weights`` and ``jax_kl/pallas+row-weights``
 (a weight per row, the per-row losses returned), ``+z-loss`` (cross-entropy only). A variant of a
 backend is its resolved value with fields replaced (``dataclasses.replace``), passed as
@@ -305,6 +306,8 @@ def build() -> dict[str, Impl]:
         # at an unaligned vocabulary, each cuBLAS GEMM over every column at once (--vocab)
         impls["torch_kl/triton-whole-vocab-gemms"] = Impl("torch", _torch_kl_variant(split_vocab_gemms=False))
         impls["torch_kl/triton-unchecked"] = Impl("torch", _torch_kl_unchecked)
+        # the label's entries written into dL/dz by `finish` (chunks that do not factor)
+        impls["torch_kl/triton-label-in-dz"] = Impl("torch", _torch_kl_variant(label_apart=False))
     for package, backend, wrap in (("torch_kl", "triton", _autograd), ("jax_kl", "pallas", _jitted)):
         if f"{package}/{backend}" in impls:
             framework = "torch" if package == "torch_kl" else "jax"
@@ -319,6 +322,8 @@ def build() -> dict[str, Impl]:
         # every chunk's row phases on XLA: prices the Mosaic GPU phases (and at an unaligned
         # vocabulary with a dense teacher, the aligned copy of its columns they read)
         impls["jax_kl/pallas-xla-phases"] = Impl("jax", _jitted(_jax_kl_variant(mosaic_phases=None)))
+        # the label's entries written into dL/dz by `finish`
+        impls["jax_kl/pallas-label-in-dz"] = Impl("jax", _jitted(_jax_kl_variant(label_apart=False)))
     # XLA folds each chunk's `acc + g^T x` into a cuBLAS GEMM (beta = 1) only when its own Triton
     # GEMMs are off: `pallas_triton-cublas` shows that fold. `pallas-cublas` is what a user's
     # jit(compiler_options=...) gets on the default backend, which cannot see the option and still

@@ -102,7 +102,7 @@ def forward(
         )
         gs, label, row_loss, own_loss = row_phases(
             parts, y, kept_rows, rw, row_scales, topk, v0, v_total, weights, loss, layout, plan.tile, needs.any, OPS,
-            label_apart=True,
+            label_apart=backend.label_apart,
         )  # fmt: skip
         row_losses.append(row_loss)
         own_losses.append(own_loss)

@@ -238,7 +238,7 @@ def forward(
                 rowmath.RowScales(*(s[a:b] for s in scales)),
                 None if topk is None else (topk[0][at], topk[1][at]),
                 v0, v_total, weights, loss, layout, plan.tile, needs.any, OPS,
-                None if local_stats is None else local_stats[at], label_apart=True,
+                None if local_stats is None else local_stats[at], backend.label_apart,
             )  # fmt: skip
             labels_of_blocks.append(label)
         label = None if labels_of_blocks[0] is None else LabelTerm(*map(torch.cat, zip(*labels_of_blocks, strict=True)))

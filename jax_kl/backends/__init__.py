@@ -88,7 +88,9 @@ class Backend(NamedByEntry):
     ``vocab_parts``: at a vocabulary (slice) not a multiple of 128, a chunk (and its dense
     teacher) is made as its aligned columns and the rest (``jax_kl.gemm.vocab_parts``), so that
     every GEMM writes and reads rows of an aligned stride and the aligned part runs on the
-    Mosaic GPU kernels (False prices that: the benchmark's ``jax_kl/pallas-whole-vocab``)."""
+    Mosaic GPU kernels (False prices that: the benchmark's ``jax_kl/pallas-whole-vocab``);
+    ``label_apart``: the hard term's label entries kept out of a chunk's ``dL/dz``
+    (``fused_kl.chunk.LabelTerm``; False prices that)."""
 
     entry: Registered
     compute: Compute
@@ -96,6 +98,7 @@ class Backend(NamedByEntry):
     mosaic_phases: ModuleType | None = None
     in_place_grad_weight: ModuleType | None = None
     vocab_parts: bool = True
+    label_apart: bool = True
 
     def chunk_phases(self, z: jax.Array, t: object) -> ModuleType:
         """The row phases of one chunk (``z`` its logits, ``t`` its dense teacher or None): the

@@ -72,6 +72,9 @@ class Backend(NamedByEntry):
     ``add_label_rows(grad_w, x, label)``: the label terms' rows of ``grad_weight`` added once
     after the last chunk (``triton_factored.add_label_rows``; None: ``torch_kl.gemm``'s, which
     reads the labels on the host);
+    ``label_apart``: the hard term's label entries kept out of a chunk's ``dL/dz`` where ``finish``
+    writes it (``fused_kl.chunk.LabelTerm``; a factored chunk always keeps them apart; False
+    prices that);
     ``split_vocab_gemms``: at a vocabulary whose rows are not a multiple of 16 bytes, the cuBLAS
     GEMMs run over its aligned columns and the rest apart (``torch_kl.gemm.vocab_parts``; False
     prices that)."""
@@ -85,6 +88,7 @@ class Backend(NamedByEntry):
     factored_topk: Callable | None = None
     scale_grad: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
     add_label_rows: Callable | None = None
+    label_apart: bool = True
     split_vocab_gemms: bool = True
 
 
