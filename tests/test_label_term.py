@@ -1,6 +1,7 @@
 """The hard term's label entries kept apart from the bfloat16 ``dL/dz`` (``fused_kl.chunk.LabelTerm``):
 over many chunks, the labels' rows of ``grad_weight`` err against float64 as the unfused loss's
-one GEMM does, in both frameworks and with or without label smoothing."""
+one GEMM does, in both frameworks and with or without label smoothing; a teacher head's blocks
+each bring their rows' terms."""
 
 from __future__ import annotations
 
@@ -93,3 +94,34 @@ def test_the_labels_rows_of_grad_weight_take_one_rounding_over_many_chunks(frame
     (ours_x, ours_w), (theirs_x, theirs_w) = errors(ours), errors(theirs)
     assert ours_x <= 1.05 * theirs_x
     assert ours_w <= 1.1 * theirs_w
+
+
+def test_a_teacher_heads_blocks_each_keep_their_labels_apart(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``torch_kl``'s teacher head with a hard term, its chunk's logits made in several blocks:
+    each block's label terms join the chunk's, and every result is the one-block call's."""
+    import torch
+
+    import fused_kl.plan
+    import torch_kl
+
+    gen = torch.Generator().manual_seed(0)
+    n, h, ht, v = 600, 8, 12, 37
+    x, w = torch.randn(n, h, generator=gen), torch.randn(v, h, generator=gen)
+    xt, wt, b = torch.randn(n, ht, generator=gen), torch.randn(v, ht, generator=gen), torch.randn(v, generator=gen)
+    labels = torch.randint(0, v, (n,), generator=gen)
+    labels[::5] = -100
+
+    def run() -> list[torch.Tensor]:
+        leaves = [a.clone().requires_grad_() for a in (x, w, b)]
+        loss = torch_kl.fused_linear_kl_div(
+            leaves[0], leaves[1], xt, labels, bias=leaves[2], target_format="hidden", teacher_weight=wt,
+            weight_hard_loss=0.5, label_smoothing=0.1, chunk_size=n, backend="torch",
+        )  # fmt: skip
+        loss.backward()
+        return [loss.detach(), *(a.grad for a in leaves)]
+
+    one = run()
+    monkeypatch.setattr(fused_kl.plan, "TEACHER_BLOCK_BYTES", 1)  # blocks of the fewest rows: 256, 256, 88
+    assert fused_kl.plan.plan_chunks(n, v, 4, n, True, blocks=True).block_rows == 256
+    for got, want in zip(run(), one, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
