@@ -125,3 +125,27 @@ def test_a_teacher_heads_blocks_each_keep_their_labels_apart(monkeypatch: pytest
     assert fused_kl.plan.plan_chunks(n, v, 4, n, True, blocks=True).block_rows == 256
     for got, want in zip(run(), one, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_a_strided_x_gives_the_contiguous_x_s_gradients(backend: str) -> None:
+    """The labels' rows of ``grad_weight`` read ``x`` with its own strides (a column slice and a
+    transpose): the gradients are those of the same values laid out contiguously."""
+    import torch
+
+    import torch_kl
+
+    gen = torch.Generator().manual_seed(0)
+    base, w = torch.randn(64, 32, generator=gen), torch.randn(40, 16, generator=gen)
+    labels = torch.randint(0, 40, (64,), generator=gen)
+
+    def grads(x: torch.Tensor) -> list[torch.Tensor]:
+        leaves = [x.detach().requires_grad_(), w.clone().requires_grad_()]
+        torch_kl.fused_linear_cross_entropy(
+            leaves[0], leaves[1], labels, label_smoothing=0.1, chunk_size=16, backend=backend
+        ).backward()
+        return [a.grad for a in leaves]
+
+    for strided in (base[:, ::2], torch.randn(16, 64, generator=gen).T):
+        for got, want in zip(grads(strided), grads(strided.contiguous()), strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

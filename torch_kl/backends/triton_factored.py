@@ -190,8 +190,8 @@ def _scale_rows_kernel(
 
 
 @triton.jit
-def _label_rows_kernel(gw_ptr, x_ptr, coef_ptr, key_ptr, order_ptr, rows, V, H, gw_stride, x_stride,
-                       BR: tl.constexpr, BH: tl.constexpr):  # fmt: skip
+def _label_rows_kernel(gw_ptr, x_ptr, coef_ptr, key_ptr, order_ptr, rows, V, H, gw_stride, gw_stride_c, x_stride,
+                       x_stride_c, BR: tl.constexpr, BH: tl.constexpr):  # fmt: skip
     """``gw_k += sum_r coef_r x_r`` over the rows ``r`` whose label is ``k``: the rows sorted by
     ``key`` (their label, or ``V`` where they add nothing), the program at each label's first row
     sums its rows in float32, ``BR`` at a time (a label that many rows share costs a few wide
@@ -211,11 +211,12 @@ def _label_rows_kernel(gw_ptr, x_ptr, coef_ptr, key_ptr, order_ptr, rows, V, H, 
             same = tl.load(key_ptr + at, mask=at < rows, other=-1) == k  # a prefix: the keys are sorted
             r = tl.load(order_ptr + at, mask=same, other=0).to(tl.int64)
             c = tl.load(coef_ptr + r, mask=same, other=0.0).to(tl.float32)
-            xs = tl.load(x_ptr + r[:, None] * x_stride + cols[None, :], mask=same[:, None] & keep[None, :], other=0.0)
+            xs = tl.load(x_ptr + r[:, None] * x_stride + cols[None, :] * x_stride_c, mask=same[:, None] & keep[None, :],
+                         other=0.0)  # fmt: skip
             acc += tl.sum(c[:, None] * xs.to(tl.float32), axis=0)
             j += BR
             more = (tl.sum(same.to(tl.int32), axis=0) == BR) & (j < rows)
-        row = gw_ptr + k.to(tl.int64) * gw_stride + cols
+        row = gw_ptr + k.to(tl.int64) * gw_stride + cols * gw_stride_c
         g = tl.load(row, mask=keep, other=0.0).to(tl.float32)
         tl.store(row, (g + acc).to(gw_ptr.dtype.element_ty), mask=keep)
 
@@ -348,12 +349,12 @@ def scale_rows(
 
 def add_label_rows(grad_w: torch.Tensor, x: torch.Tensor, label: LabelTerm | None) -> None:
     """``grad_w[k] += sum of label.coef_r x_r`` over the rows ``r`` labelled ``k``: the label's term of
-    ``grad_W += dL/dzᵀ x``, after every chunk's GEMM over ``E`` (``x``'s rows contiguous)."""
+    ``grad_W += dL/dzᵀ x``, after every chunk's GEMM (any strides)."""
     if label is None or not x.shape[0]:
         return
     rows, h = x.shape
     key, order = torch.sort(torch.where(label.coef != 0, label.y, grad_w.shape[0]), stable=True)
     grid = (rows, triton.cdiv(h, 256))
     _label_rows_kernel[grid](
-        grad_w, x, label.coef, key, order, rows, grad_w.shape[0], h, grad_w.stride(0), x.stride(0), BR=16, BH=256
+        grad_w, x, label.coef, key, order, rows, grad_w.shape[0], h, *grad_w.stride(), *x.stride(), BR=16, BH=256
     )
