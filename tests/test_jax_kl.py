@@ -300,4 +300,3 @@ def test_a_chunk_in_vocabulary_parts_gives_the_whole_chunks_results(backend: str
         np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=1e-5, atol=1e-6)
     program = str(jax.make_jaxpr(lambda *a: loss(*a, chosen[1]))(x, w, b))
     assert "f32[5,256]" in program and "f32[5,44]" in program
-
