@@ -16,6 +16,9 @@ ROW_MULTIPLE = 256
 # the unchunked GEMM, one 3072 deep 1.05x), while the two buffers stay under 1 GiB
 # (docs/design-notes.md).
 TEACHER_BLOCK_BYTES = 256 << 20
+# The label terms' rows of grad_weight are summed in float32 after the last chunk
+# (``fused_kl.chunk.LabelTerm``), a block of columns at a time taking about this many bytes.
+LABEL_BLOCK_BYTES = 64 << 20
 # The row kernels walk a row in tiles of at most MAX_BLOCK_V columns (fp32 registers per
 # program), seen as [MAX_BLOCK_V / TILE_COLS, TILE_COLS]: sums and maxima along the TILE_COLS
 # stay inside a warp, and the running statistics are kept per tile row, so no step needs a
@@ -56,6 +59,12 @@ def padded_row_stride(v: int) -> int:
 def next_power_of_2(n: int) -> int:
     """The smallest power of two >= n (1 for n <= 1)."""
     return 1 << max(n - 1, 0).bit_length()
+
+
+def label_block_columns(n: int, h: int) -> int:
+    """Columns of ``h`` per block of the label terms' float32 ``[n, columns]`` sums
+    (:data:`LABEL_BLOCK_BYTES`)."""
+    return max(1, min(h, LABEL_BLOCK_BYTES // (4 * max(n, 1))))
 
 
 def default_chunk_rows(n: int, v: int, logits_itemsize: int, buffers: int = 1, nbytes: int = CHUNK_BYTES) -> int:

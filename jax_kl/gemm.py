@@ -18,9 +18,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from fused_kl.chunk import LabelTerm
+from fused_kl.plan import label_block_columns
 
 SPLIT_MULTIPLE = 128  # mosaic_accumulate.CTA_M, the in-place add's row tile (the TMA takes 64 bf16 columns)
-LABEL_BLOCK_BYTES = 1 << 26  # add_label_rows' float32 sums of one block of columns
 
 
 def dot(a: jax.Array, b: jax.Array, contract: tuple[int, int], out_dtype) -> jax.Array:
@@ -89,7 +89,7 @@ def add_label_rows(
     """Each part's ``grad_weight`` rows with ``sum of label.coef_r x_r`` over the rows ``r``
     labelled ``k`` added to row ``k``: the label's term of ``grad_W += dL/dzᵀ x``, after every
     chunk's GEMM. Each label's sum is made in float32 and rounded into its row once; the sums
-    are made :data:`LABEL_BLOCK_BYTES` of float32 at a time, a block of columns each."""
+    are made a block of columns at a time (``fused_kl.plan.label_block_columns``)."""
     n, h = x.shape
     if not n:
         return accs
@@ -97,7 +97,7 @@ def add_label_rows(
     key = jnp.where(label.coef != 0, label.y, v)  # v: no row of any part
     rows, inverse = jnp.unique(key, size=n, fill_value=v, return_inverse=True)
     inverse = inverse.reshape(n)
-    width = max(1, min(h, LABEL_BLOCK_BYTES // (4 * n)))
+    width = label_block_columns(n, h)
     for c0 in range(0, h, width):
         cs = slice(c0, min(h, c0 + width))
         # One block's float32 sums at a time: the barrier orders each after the previous block's adds.

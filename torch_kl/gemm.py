@@ -16,9 +16,7 @@ from __future__ import annotations
 import torch
 
 from fused_kl.chunk import LabelTerm
-from fused_kl.plan import ROW_STRIDE_MULTIPLE
-
-LABEL_BLOCK_BYTES = 1 << 26  # add_label_rows' float32 sums of one block of columns
+from fused_kl.plan import ROW_STRIDE_MULTIPLE, label_block_columns
 
 _OUT_DTYPE: dict[tuple[str, torch.dtype], bool] = {}
 
@@ -107,14 +105,14 @@ def grad_x(
 def add_label_rows(grad_w: torch.Tensor, x: torch.Tensor, label: LabelTerm) -> None:
     """``grad_w[k] += sum of label.coef_r x_r`` over the rows ``r`` labelled ``k``, each label's
     sum made in float32 and rounded into its row once (``jax_kl.gemm.add_label_rows``); the sums
-    are made :data:`LABEL_BLOCK_BYTES` of float32 at a time, a block of columns each. Reads the
+    are made a block of columns at a time (``fused_kl.plan.label_block_columns``). Reads the
     labels on the host (``torch.unique``): the Triton backend brings its own kernel."""
     n, h = x.shape
     v = grad_w.shape[0]
     rows, inverse = torch.unique(torch.where(label.coef != 0, label.y, v), return_inverse=True)
     kept = rows < v
     at = rows[kept]
-    width = max(1, min(h, LABEL_BLOCK_BYTES // (4 * max(n, 1))))
+    width = label_block_columns(n, h)
     for c0 in range(0, h, width):
         cols = slice(c0, min(h, c0 + width))
         terms = label.coef[:, None] * x[:, cols].float()
