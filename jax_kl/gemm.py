@@ -5,7 +5,8 @@ A JAX array's rows are its width apart, so at a vocabulary whose rows are not al
 multiple of :data:`SPLIT_MULTIPLE`) a chunk's logits can be made as two arrays
 (:func:`vocab_parts`, with ``Backend.vocab_parts``): the aligned columns, which the Mosaic GPU
 kernels and the in-place ``grad_weight`` add can take, and the few left. Each GEMM then runs
-per part on row ranges of the head.
+per part on row ranges of the head; ``grad_weight`` stays one ``[V, H]`` accumulator, each
+part's product added to its rows.
 """
 
 from __future__ import annotations
@@ -65,56 +66,58 @@ def grad_x(
 
 
 def accumulate(
-    accs: list[jax.Array] | None, gs: Sequence[jax.Array], xc: jax.Array, dtype, in_place: ModuleType | None
-) -> list[jax.Array]:
-    """Each part's ``grad_weight`` rows plus ``gᵀ x``, the first chunk's (``accs`` None) written,
-    not added. XLA (0.11, H200) folds the add into the GEMM (beta = 1) only with its Triton GEMMs
-    off (``xla_gpu_enable_triton_gemm=False``, docs/choosing.md); otherwise each chunk after the
-    first costs a product buffer and an add pass (docs/design-notes.md, GEMMs). Hence the
-    in-place kernel of the Mosaic GPU backends (``in_place``), where it fits the part."""
-    if accs is None:
-        return [dot(g, xc, (0, 0), dtype) for g in gs]
-    out = []
-    for acc, g in zip(accs, gs, strict=True):
-        if in_place is not None and in_place.fits(acc, g, xc):
-            out.append(in_place.accumulate(acc, g, xc))
+    acc: jax.Array | None,
+    gs: Sequence[jax.Array],
+    xc: jax.Array,
+    dtype,
+    parts: Sequence[slice],
+    in_place: ModuleType | None,
+) -> jax.Array:
+    """The ``[V, H]`` accumulator ``acc`` with each part's ``gᵀ x`` added to its rows; the first
+    chunk's (``acc`` None) written, not added. XLA (0.11, H200) folds the add into the GEMM
+    (beta = 1) only with its Triton GEMMs off (``xla_gpu_enable_triton_gemm=False``,
+    docs/choosing.md); otherwise each chunk after the first costs a product buffer and an add
+    pass (docs/design-notes.md, GEMMs). Hence the in-place kernel of the Mosaic GPU backends
+    (``in_place``), where it fits the part: the aligned part, the accumulator's first rows."""
+    v, h = parts[-1].stop, xc.shape[1]
+    if acc is None:
+        if len(parts) == 1:
+            return dot(gs[0], xc, (0, 0), dtype)
+        lead = jax.ShapeDtypeStruct((v, h), dtype)
+        if in_place is not None and in_place.fits(lead, gs[0], xc):
+            acc = in_place.product(gs[0], xc, v)  # its rows past the first part are set below
+            for g, cols in zip(gs[1:], parts[1:], strict=True):
+                acc = acc.at[cols].set(dot(g, xc, (0, 0), dtype))
+            return acc
+        return jnp.concatenate([dot(g, xc, (0, 0), dtype) for g in gs])
+    for g, cols in zip(gs, parts, strict=True):
+        if cols.start == 0 and in_place is not None and in_place.fits(acc, g, xc):
+            acc = in_place.accumulate(acc, g, xc)
+        elif len(parts) == 1:
+            acc = acc + dot(g, xc, (0, 0), dtype)
         else:
-            out.append(acc + dot(g, xc, (0, 0), dtype))
-    return out
+            acc = acc.at[cols].add(dot(g, xc, (0, 0), dtype))
+    return acc
 
 
-def add_label_rows(
-    accs: list[jax.Array], parts: Sequence[slice], x: jax.Array, label: LabelTerm
-) -> list[jax.Array]:
-    """Each part's ``grad_weight`` rows with ``sum of label.coef_r x_r`` over the rows ``r``
-    labelled ``k`` added to row ``k``: the label's term of ``grad_W += dL/dzᵀ x``, after every
-    chunk's GEMM. Each label's sum is made in float32 and rounded into its row once; the sums
-    are made a block of columns at a time (``fused_kl.plan.label_block_columns``)."""
+def add_label_rows(acc: jax.Array, x: jax.Array, label: LabelTerm) -> jax.Array:
+    """``acc`` (``grad_weight``'s ``[V, H]`` accumulator) with ``sum of label.coef_r x_r`` over
+    the rows ``r`` labelled ``k`` added to row ``k``: the label's term of ``grad_W += dL/dzᵀ x``,
+    after every chunk's GEMM. Each label's sum is made in float32 and rounded into its row once;
+    the sums are made a block of columns at a time (``fused_kl.plan.label_block_columns``)."""
     n, h = x.shape
     if not n:
-        return accs
-    v = parts[-1].stop
-    key = jnp.where(label.coef != 0, label.y, v)  # v: no row of any part
+        return acc
+    v = acc.shape[0]
+    key = jnp.where(label.coef != 0, label.y, v)  # v: no row
     rows, inverse = jnp.unique(key, size=n, fill_value=v, return_inverse=True)
     inverse = inverse.reshape(n)
     width = label_block_columns(n, h)
     for c0 in range(0, h, width):
         cs = slice(c0, min(h, c0 + width))
         # One block's float32 sums at a time: the barrier orders each after the previous block's adds.
-        xb, accs = lax.optimization_barrier((x[:, cs], accs))
+        xb, acc = lax.optimization_barrier((x[:, cs], acc))
         sums = jax.ops.segment_sum(label.coef[:, None] * xb.astype(jnp.float32), inverse, num_segments=n)
-        accs = [_add_rows(acc, rows - part.start, cs, sums) for acc, part in zip(accs, parts, strict=True)]
-    return accs
-
-
-def _add_rows(acc: jax.Array, rows: jax.Array, cols: slice, sums: jax.Array) -> jax.Array:
-    """``acc[rows, cols] += sums`` in float32, rounded once; rows outside ``acc`` are skipped."""
-    at = jnp.where((rows >= 0) & (rows < acc.shape[0]), rows, acc.shape[0])
-    now = acc.at[at, cols].get(mode="fill", fill_value=0).astype(jnp.float32)
-    return acc.at[at, cols].set((now + sums).astype(acc.dtype), mode="drop")
-
-
-def joined(accs: list[jax.Array]) -> jax.Array:
-    """The parts' ``grad_weight`` rows as one ``[V, H]`` array (with several parts, one copy at
-    the end of the call: each part is added in place while the chunks run)."""
-    return accs[0] if len(accs) == 1 else jnp.concatenate(accs)
+        now = acc.at[rows, cs].get(mode="fill", fill_value=0).astype(jnp.float32)
+        acc = acc.at[rows, cs].set((now + sums).astype(acc.dtype), mode="drop")  # row v: dropped
+    return acc

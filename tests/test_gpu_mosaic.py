@@ -99,26 +99,31 @@ def test_unaligned_vocabulary_never_takes_the_deprecated_lowering() -> None:
     assert jnp.isfinite(auto)
 
 
+@pytest.mark.parametrize("extra", [0, 1, 77])  # accumulator rows past g's columns: an unaligned vocabulary's
 @pytest.mark.parametrize("rows", [192, 200])  # 200: a partial last slice of 64 rows
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-def test_grad_weight_kernel_adds_in_place_rounding_once(dtype, rows: int) -> None:
+def test_grad_weight_kernel_adds_in_place_rounding_once(dtype, rows: int, extra: int) -> None:
     from jax_kl.backends import mosaic_accumulate
 
     v, h = 384, 512  # 3 x 2 output tiles
     k = jax.random.split(jax.random.key(0), 3)
     g = (jax.random.normal(k[0], (rows, v)) * 0.1).astype(dtype)
     x = jax.random.normal(k[1], (rows, h)).astype(dtype)
-    acc = jax.random.normal(k[2], (v, h)).astype(dtype)
+    acc = jax.random.normal(k[2], (v + extra, h)).astype(dtype)
     assert mosaic_accumulate.fits(acc, g, x)
-    exact = acc.astype(jnp.float32) + jnp.dot(
-        g.astype(jnp.float32).T, x.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
-    )
-    got = jax.jit(mosaic_accumulate.accumulate)(acc, g, x).astype(jnp.float32)
+    product = jnp.dot(g.astype(jnp.float32).T, x.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    exact = acc[:v].astype(jnp.float32) + product
+    whole = jax.jit(mosaic_accumulate.accumulate)(acc, g, x)
+    assert bool(jnp.all(whole[v:] == acc[v:]))  # the rows past g's columns are left as they were
+    got = whole[:v].astype(jnp.float32)
     # one rounding of the float32 sum: half a unit in the last place, plus float32's own sum order
     half_ulp = 2.0 ** (-8 if dtype == jnp.bfloat16 else -11)
     assert bool(jnp.all(jnp.abs(got - exact) <= half_ulp * jnp.abs(exact) + 1e-4))
-    xla = (acc + jnp.dot(g.T, x, preferred_element_type=jnp.float32).astype(dtype)).astype(jnp.float32)
+    xla = (acc[:v] + jnp.dot(g.T, x, preferred_element_type=jnp.float32).astype(dtype)).astype(jnp.float32)
     assert float(jnp.linalg.norm(got - exact)) <= float(jnp.linalg.norm(xla - exact))  # one rounding, not two
+    # the first chunk's kernel writes a fresh accumulator's first rows
+    written = jax.jit(lambda g, x: mosaic_accumulate.product(g, x, v + extra)[:v])(g, x).astype(jnp.float32)
+    assert bool(jnp.all(jnp.abs(written - product) <= half_ulp * jnp.abs(product) + 1e-4))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -231,16 +231,13 @@ def _as_on_hopper(**fields):
     """``"pallas"`` as it resolves where Mosaic GPU runs (the in-place ``grad_weight`` add too)."""
     from jax_kl.backends import mosaic_accumulate
 
-    return dataclasses.replace(
-        resolve("pallas"), phases=xla_phases, mosaic_phases=pallas_mosaic, in_place_grad_weight=mosaic_accumulate,
-        **fields,
-    )  # fmt: skip
+    fields = {"phases": xla_phases, "mosaic_phases": pallas_mosaic, "in_place_grad_weight": mosaic_accumulate, **fields}
+    return dataclasses.replace(resolve("pallas"), **fields)
 
 
-def _mosaic_calls(backend, n: int, h: int, v: int, probs: bool = False) -> tuple[int, int]:
+def _grad_weight_lowering(backend, n: int, h: int, v: int, probs: bool = False) -> str:
     """The CUDA lowering of a cross-entropy step's ``grad_weight`` (``probs``: a forward KL's
-    against dense float32 probabilities instead): its Mosaic GPU kernels, and how many of them
-    are the in-place add (its output the accumulator, operand 2)."""
+    against dense float32 probabilities instead), 256-row chunks."""
     import jax_kl
 
     def loss(x, w, target):
@@ -250,9 +247,27 @@ def _mosaic_calls(backend, n: int, h: int, v: int, probs: bool = False) -> tuple
 
     target = jax.ShapeDtypeStruct((n, v), jnp.float32) if probs else jax.ShapeDtypeStruct((n,), jnp.int32)
     shapes = (jax.ShapeDtypeStruct((n, h), jnp.bfloat16), jax.ShapeDtypeStruct((v, h), jnp.bfloat16), target)
-    text = jax.jit(jax.grad(loss, argnums=1)).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+    return jax.jit(jax.grad(loss, argnums=1)).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _mosaic_calls(backend, n: int, h: int, v: int, probs: bool = False) -> tuple[int, int]:
+    """The Mosaic GPU kernels of :func:`_grad_weight_lowering`, and how many of them are the
+    in-place add (its output the accumulator, operand 2)."""
+    text = _grad_weight_lowering(backend, n, h, v, probs)
     calls = [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
     return len(calls), sum("operand_index = 2" in line for line in calls)
+
+
+def test_an_unaligned_vocabulary_keeps_one_grad_weight_accumulator() -> None:
+    """At V = 8291 the parts' ``grad_weight`` rows are added where they lie in one ``[V, H]``
+    accumulator, not joined by a copy; XLA's add (no in-place kernel) joins the first chunk's."""
+
+    def joins(backend) -> int:
+        text = _grad_weight_lowering(backend, 1024, 256, 8291)
+        return sum("stablehlo.concatenate" in line and "tensor<8291x256xbf16>" in line for line in text.splitlines())
+
+    assert joins(_as_on_hopper()) == 0
+    assert joins(_as_on_hopper(in_place_grad_weight=None)) == 1
 
 
 def test_a_last_chunk_of_odd_rows_keeps_xla_s_add() -> None:
@@ -264,7 +279,9 @@ def test_a_last_chunk_of_odd_rows_keeps_xla_s_add() -> None:
 
 def test_vocabulary_parts_split_where_the_in_place_add_takes_the_aligned_part() -> None:
     """``jax_kl.gemm.vocab_parts`` splits at a multiple of ``mosaic_accumulate``'s row tile; at
-    V = 8291 the aligned part's row phases and ``grad_weight`` add lower to Mosaic GPU kernels."""
+    V = 8291 the aligned part's row phases and ``grad_weight`` GEMM lower to Mosaic GPU kernels:
+    the first chunk's writes the one ``[V, H]`` accumulator, the others add into its first rows
+    in place."""
     from jax_kl import gemm
     from jax_kl.backends import mosaic_accumulate
 
@@ -273,8 +290,8 @@ def test_vocabulary_parts_split_where_the_in_place_add_takes_the_aligned_part() 
     assert [(p.start, p.stop) for p in gemm.vocab_parts(300, False)] == [(0, 300)]
     assert [(p.start, p.stop) for p in gemm.vocab_parts(256, True)] == [(0, 256)]
     assert [(p.start, p.stop) for p in gemm.vocab_parts(100, True)] == [(0, 100)]
-    # every chunk's aligned part: stats and finish on Mosaic GPU; chunks 2 to 4 add it in place
-    assert _mosaic_calls(_as_on_hopper(), 1024, 256, 8291) == (4 * 2 + 3, 3)
+    # every chunk's aligned part: stats and finish on Mosaic GPU; chunk 1 writes, chunks 2 to 4 add in place
+    assert _mosaic_calls(_as_on_hopper(), 1024, 256, 8291) == (4 * 2 + 1 + 3, 3)
     assert _mosaic_calls(_as_on_hopper(vocab_parts=False), 1024, 256, 8291) == (0, 0)  # one part: all on XLA
     # a dense teacher's aligned columns go with the aligned part: its stats and finish too
-    assert _mosaic_calls(_as_on_hopper(), 1024, 256, 8291, probs=True) == (4 * 2 + 3, 3)
+    assert _mosaic_calls(_as_on_hopper(), 1024, 256, 8291, probs=True) == (4 * 2 + 1 + 3, 3)

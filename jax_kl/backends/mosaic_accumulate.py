@@ -13,8 +13,13 @@ Layout: a persistent kernel, one program per multiprocessor, walks the ``[V, H]`
 ``128 x 256`` tiles; in each, a memory warpgroup streams ``64``-row slices of ``g`` and ``x``
 through shared memory and two compute warpgroups each multiply one ``128 x 128`` half with WGMMA,
 ``g``'s slice read transposed (``[64, 128]`` in memory, ``[128, 64]`` to the tensor cores).
-``V`` and ``H`` must be whole numbers of output tiles (:func:`fits`); the driver uses XLA's
-add elsewhere.
+The chunk's columns and ``H`` must be whole numbers of output tiles (:func:`fits`); the driver
+uses XLA's add elsewhere. The accumulator may have more rows than the chunk has columns (an
+unaligned vocabulary's ``[V, H]``, whose aligned columns are one part of the chunk): its tiles
+move through shared memory in ``[128, 64]`` slices, one 128-byte swizzle row each, tiled
+``(1, 64)``: the same bytes as the operands' ``(8, 64)`` tiling, but a tiling that asks nothing
+of the accumulator's row count, where ``(8, 64)`` needs it a multiple of 8. :func:`product` is
+the same GEMM writing a fresh accumulator (the first chunk's, at such a vocabulary).
 
 ``torch_kl`` needs no counterpart: ``torch.addmm`` into the accumulator is cuBLAS's beta = 1 GEMM.
 """
@@ -34,20 +39,23 @@ from .pallas_mosaic import H100_SMS, unchecked_vma
 TILE_M, TILE_N, TILE_K = 128, 128, 64  # one compute warpgroup's output tile; the slice of rows per step
 CTA_M, CTA_N = TILE_M, 2 * TILE_N  # one program's output tile: the two warpgroups side by side along H
 STAGES = 3  # 3 x 48 KiB of operands + the 64 KiB accumulator tile fit in 227 KiB of shared memory
-DELAY = 1  # steps an operand slot stays held after its MMA is issued (one MMA in flight)
+SLICE_COLS = 64  # the accumulator tile's slices: 64 16-bit columns, one 128-byte swizzle row
+DELAY = 0  # each step's MMA waited for before its slot is released: 5 % faster alone than one in flight
+SLICES = TILE_N // SLICE_COLS
 SNAKE_WIDTH, SNAKE_MINOR = 4, 1  # bands of 4 tiles along V walked along H first (L2 reuse)
 NAME = "fused_kl_grad_weight_mosaic"
 
 
 def fits(acc: jax.Array, g: jax.Array, x: jax.Array) -> bool:
-    """Whether this kernel can add ``gᵀ x`` into ``acc``: 16-bit operands and accumulator of one
-    dtype (a float32 accumulator keeps XLA's GEMM), ``V`` and ``H`` whole numbers of output
-    tiles, the chunk's rows a multiple of the operands' 8-row tiling (the TMA reads zeros past
-    the last 64-row slice, not past a partial 8-row tile)."""
+    """Whether this kernel can add ``gᵀ x`` into the first rows of ``acc``: 16-bit operands and
+    accumulator of one dtype (a float32 accumulator keeps XLA's GEMM), ``g``'s columns and ``H``
+    whole numbers of output tiles, at least as many accumulator rows as ``g`` has columns, the
+    chunk's rows a multiple of the operands' 8-row tiling (the TMA reads zeros past the last
+    64-row slice, not past a partial 8-row tile)."""
     (rows, v), h = g.shape, x.shape[1]
     same = acc.dtype == g.dtype == x.dtype and g.dtype in (jnp.bfloat16, jnp.float16)
     tiled = v % CTA_M == 0 and h % CTA_N == 0 and rows % 8 == 0
-    return same and tiled and acc.shape == (v, h) and x.shape[0] == rows
+    return same and tiled and acc.shape[0] >= v and acc.shape[1] == h and x.shape[0] == rows
 
 
 def _sms() -> int:
@@ -61,6 +69,13 @@ def _transforms(dtype, minor: int) -> tuple:
     return plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle)
 
 
+def _slice_transforms() -> tuple:
+    """An accumulator slice's layout: 128-byte swizzled rows, tiled ``(1, 64)`` (see the module
+    docstring: ``(8, 64)`` would lay out the same bytes but need the accumulator's rows a
+    multiple of 8)."""
+    return plgpu.TilingTransform((1, SLICE_COLS)), plgpu.SwizzleTransform(128)
+
+
 def _operand(cols: int, dtype) -> plgpu.BlockSpec:
     """Step ``k``'s ``[TILE_K, cols]`` slice of an operand: its rows ``k * TILE_K ...``; past the
     chunk's last row the TMA reads zeros, which add nothing."""
@@ -68,7 +83,7 @@ def _operand(cols: int, dtype) -> plgpu.BlockSpec:
     return plgpu.BlockSpec((TILE_K, cols), lambda k: (k, 0), transforms=transforms, delay_release=DELAY)
 
 
-def _body(g_gmem, x_gmem, acc_gmem):
+def _body(g_gmem, x_gmem, acc_gmem, *, add: bool):
     rows, v = g_gmem.shape
     h = x_gmem.shape[1]
     m_iters, n_iters = v // CTA_M, h // CTA_N
@@ -90,8 +105,8 @@ def _body(g_gmem, x_gmem, acc_gmem):
     @functools.partial(
         pl.run_scoped,
         allocations=pipeline(ignore, ignore).get_allocations(g_gmem, x_gmem),
-        acc_smem=plgpu.SMEM((2, TILE_M, TILE_N), acc_gmem.dtype, transforms=_transforms(acc_gmem.dtype, TILE_N)),
-        loaded=plgpu.Barrier(num_barriers=2),
+        acc_smem=plgpu.SMEM((2, SLICES, TILE_M, SLICE_COLS), acc_gmem.dtype, transforms=_slice_transforms()),
+        loaded=plgpu.Barrier(num_barriers=2 * SLICES),
         collective_axes="wg",
     )
     def scoped(allocations, acc_smem, loaded):
@@ -104,23 +119,33 @@ def _body(g_gmem, x_gmem, acc_gmem):
             m_slice, n_slice = pl.ds(mi * CTA_M, CTA_M), pl.ds(ni * CTA_N, CTA_N)
             half = pl.ds(wg * TILE_N, TILE_N)
             out = acc_gmem.at[m_slice, n_slice].at[:, half]
-            mine = acc_smem.at[wg]
+            outs = [out.at[:, pl.ds(j * SLICE_COLS, SLICE_COLS)] for j in range(SLICES)]
+            mine = [acc_smem.at[wg, j] for j in range(SLICES)]
+            arrived = [loaded.at[wg * SLICES + j] for j in range(SLICES)]
 
             def context(run_main_loop):
                 @functools.partial(pl.run_scoped, product=plgpu.ACC((TILE_M, TILE_N), jnp.float32))
                 def accumulate(product):
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's store has left
-                    plgpu.copy_gmem_to_smem(out, mine, loaded.at[wg])  # overlaps the main loop
+                    if add:  # the tile's accumulator slices load while the main loop runs
+                        for src, dst, barrier in zip(outs, mine, arrived, strict=True):
+                            plgpu.copy_gmem_to_smem(src, dst, barrier)
                     run_main_loop(product)
-                    plgpu.barrier_wait(loaded.at[wg])
-                    mine[...] = (mine[...].astype(jnp.float32) + product[...]).astype(mine.dtype)
+                    total = product[...]
+                    for j, (dst, barrier) in enumerate(zip(mine, arrived, strict=True)):
+                        part = total[:, j * SLICE_COLS : (j + 1) * SLICE_COLS]
+                        if add:
+                            plgpu.barrier_wait(barrier)
+                            part = dst[...].astype(jnp.float32) + part
+                        dst[...] = part.astype(dst.dtype)
                     plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(mine, out)
+                    for src, dst in zip(mine, outs, strict=True):
+                        plgpu.copy_smem_to_gmem(src, dst)
 
             def mma(indices, g_smem, x_smem, product):
                 del indices
                 plgpu.wgmma(product, g_smem.T, x_smem.at[:, half])
-                plgpu.wgmma_wait(DELAY)  # the previous step's MMA has read its slot: release it
+                plgpu.wgmma_wait(DELAY)  # the MMA DELAY steps back has read its slot: release it
                 return product
 
             pipeline(mma, context)(g_gmem.at[:, m_slice], x_gmem.at[:, n_slice], allocations=allocations)
@@ -128,11 +153,24 @@ def _body(g_gmem, x_gmem, acc_gmem):
     plgpu.wait_smem_to_gmem(0)
 
 
-def accumulate(acc: jax.Array, g: jax.Array, x: jax.Array) -> jax.Array:
-    """``acc + gᵀ x``, written over ``acc`` (see the module docstring); needs :func:`fits`."""
-    ref = jax.new_ref(acc)
+def _kernel(add: bool, out_type: object):
     mesh = plgpu.Mesh(grid=(_sms(),), grid_names=("sm",), num_threads=3, thread_name="wg", kernel_name=NAME)
     params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
+    body = functools.partial(_body, add=add)
+    return pl.kernel(body, out_type=out_type, mesh=mesh, compiler_params=params, name=NAME)
+
+
+def accumulate(acc: jax.Array, g: jax.Array, x: jax.Array) -> jax.Array:
+    """``acc`` with ``gᵀ x`` added to its first ``g.shape[1]`` rows, written over ``acc`` (see
+    the module docstring); needs :func:`fits`."""
+    ref = jax.new_ref(acc)
     with unchecked_vma():
-        pl.kernel(_body, out_type=(), mesh=mesh, compiler_params=params, name=NAME)(g, x, ref)
+        _kernel(True, ())(g, x, ref)
     return jax.freeze(ref)
+
+
+def product(g: jax.Array, x: jax.Array, rows: int) -> jax.Array:
+    """A fresh ``[rows, H]`` accumulator whose first ``g.shape[1]`` rows are ``gᵀ x``; the rows
+    past them are not written, for the caller to set. Needs :func:`fits` of such an array."""
+    with unchecked_vma():
+        return _kernel(False, jax.ShapeDtypeStruct((rows, x.shape[1]), g.dtype))(g, x)
