@@ -385,5 +385,28 @@ def test_a_label_most_rows_share_is_summed_in_blocks_of_rows():
     coef = -torch.rand(rows, generator=gen) / rows
     grad_w = torch.zeros(v, h, dtype=torch.float32)
     triton_factored.add_label_rows(grad_w, x, triton_factored.LabelTerm(coef, y))
-    want = torch.zeros(v, h, dtype=torch.float64).index_add(0, y, coef.double()[:, None] * x.double())
-    torch.testing.assert_close(grad_w.double(), want, rtol=1e-5, atol=1e-9)
+    terms = coef.double()[:, None] * x.double()
+    want = torch.zeros(v, h, dtype=torch.float64).index_add(0, y, terms)
+    scale = torch.zeros(v, h, dtype=torch.float64).index_add(0, y, terms.abs())
+    assert ((grad_w.double() - want).abs() <= 1e-6 * scale).all()  # float32 sums; one row's term is ~1e-3 of scale
+
+
+@pytest.mark.parametrize("offset", [0, 5, 15, 16, 17])
+def test_a_label_run_starting_anywhere_in_a_row_tile(offset):
+    """The rows sorted by label are cut into tiles of 16: a run of 37 rows of one label starting
+    ``offset`` rows into a tile (and so running on past it) is summed by its first row alone;
+    labels of a few rows around it too, ignored rows (``coef = 0``) add nothing; x through strides."""
+    gen = torch.Generator().manual_seed(11 + offset)
+    rows, v, h, run = 150, 60, 40, 37
+    below = 32 + offset  # rows labelled below the run: where it starts once sorted
+    y = torch.cat([torch.randint(0, 30, (below,), generator=gen), torch.full((run,), 30),
+                   torch.randint(31, v, (rows - below - run,), generator=gen)])  # fmt: skip
+    coef = -torch.rand(rows, generator=gen)
+    coef[below + run :: 5] = 0.0  # ignored rows, sorted past every label
+    shuffle = torch.randperm(rows, generator=gen)
+    y, coef = y[shuffle], coef[shuffle]
+    x = torch.randn(h, rows, generator=gen).t()  # not contiguous
+    grad_w = torch.randn(v, h, generator=gen)
+    want = grad_w.double().index_add(0, y, coef.double()[:, None] * x.double())
+    triton_factored.add_label_rows(grad_w, x, triton_factored.LabelTerm(coef, y))
+    torch.testing.assert_close(grad_w.double(), want, rtol=1e-5, atol=1e-5)
