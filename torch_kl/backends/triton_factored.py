@@ -193,46 +193,32 @@ def _scale_rows_kernel(
 def _label_rows_kernel(gw_ptr, x_ptr, coef_ptr, key_ptr, order_ptr, rows, V, H, gw_stride, gw_stride_c, x_stride,
                        x_stride_c, BR: tl.constexpr, BH: tl.constexpr):  # fmt: skip
     """``gw_k += sum_r coef_r x_r`` over the rows ``r`` whose label is ``k``: the rows sorted by
-    ``key`` (their label, or ``V`` where they add nothing), each program takes ``BR`` of them, and
-    each label's first row owns its sum: it is made in float32 from the tile's rows of that label
-    (and, for the tile's last label, from the rows after the tile, ``BR`` at a time), and rounded
-    into ``gw`` once. Every row's loads are independent of the others', so a tile of distinct
-    labels costs one round of loads, not a chain."""
-    i0 = tl.program_id(0) * BR
+    ``key`` (their label, or ``V`` where they add nothing), the program at each label's first row
+    sums its rows in float32, ``BR`` at a time (a label that many rows share costs a few wide
+    loads, not a chain of one row after another), and rounds the sum into ``gw`` once; the
+    others do nothing."""
+    i = tl.program_id(0)
     cols = tl.program_id(1) * BH + tl.arange(0, BH)
     keep = cols < H
-    at = i0 + tl.arange(0, BR)
-    k = tl.load(key_ptr + at, mask=at < rows, other=V)
-    before = tl.load(key_ptr + at - 1, mask=(at > 0) & (at < rows), other=-1)
-    first = (k != before) & (k < V)
-    acc = tl.zeros([BR, BH], tl.float32)
-    for j in tl.static_range(BR):
-        inside = i0 + j < rows
-        kj = tl.load(key_ptr + i0 + j, mask=inside, other=V)
-        r = tl.load(order_ptr + i0 + j, mask=inside, other=0).to(tl.int64)  # past the end: row 0, never added
-        c = tl.load(coef_ptr + r, mask=inside, other=0.0).to(tl.float32)
-        xj = tl.load(x_ptr + r * x_stride + cols * x_stride_c, mask=keep, other=0.0).to(tl.float32)
-        acc += tl.where((first & (k == kj))[:, None], c * xj[None, :], 0.0)
-    last = tl.load(key_ptr + i0 + BR - 1, mask=i0 + BR - 1 < rows, other=V)
-    owned = tl.sum((first & (k == last)).to(tl.int32), axis=0) > 0
-    j = i0 + BR
-    more = owned & (tl.load(key_ptr + j, mask=j < rows, other=-1) == last)
-    tail = tl.zeros([BH], tl.float32)
-    while more:
-        at = j + tl.arange(0, BR)
-        same = tl.load(key_ptr + at, mask=at < rows, other=-1) == last  # a prefix: the keys are sorted
-        r = tl.load(order_ptr + at, mask=same, other=0).to(tl.int64)
-        c = tl.load(coef_ptr + r, mask=same, other=0.0).to(tl.float32)
-        xs = tl.load(x_ptr + r[:, None] * x_stride + cols[None, :] * x_stride_c, mask=same[:, None] & keep[None, :],
-                     other=0.0)  # fmt: skip
-        tail += tl.sum(c[:, None] * xs.to(tl.float32), axis=0)
-        j += BR
-        more = (tl.sum(same.to(tl.int32), axis=0) == BR) & (j < rows)
-    acc += tl.where(first & (k == last), 1.0, 0.0)[:, None] * tail[None, :]
-    ptrs = gw_ptr + k.to(tl.int64)[:, None] * gw_stride + cols[None, :] * gw_stride_c
-    m = first[:, None] & keep[None, :]
-    g = tl.load(ptrs, mask=m, other=0.0).to(tl.float32)
-    tl.store(ptrs, (g + acc).to(gw_ptr.dtype.element_ty), mask=m)
+    k = tl.load(key_ptr + i)
+    previous = tl.load(key_ptr + tl.maximum(i - 1, 0))
+    if (k < V) & ((i == 0) | (previous != k)):
+        acc = tl.zeros([BH], tl.float32)
+        j = i
+        more = k == k
+        while more:
+            at = j + tl.arange(0, BR)
+            same = tl.load(key_ptr + at, mask=at < rows, other=-1) == k  # a prefix: the keys are sorted
+            r = tl.load(order_ptr + at, mask=same, other=0).to(tl.int64)
+            c = tl.load(coef_ptr + r, mask=same, other=0.0).to(tl.float32)
+            xs = tl.load(x_ptr + r[:, None] * x_stride + cols[None, :] * x_stride_c, mask=same[:, None] & keep[None, :],
+                         other=0.0)  # fmt: skip
+            acc += tl.sum(c[:, None] * xs.to(tl.float32), axis=0)
+            j += BR
+            more = (tl.sum(same.to(tl.int32), axis=0) == BR) & (j < rows)
+        row = gw_ptr + k.to(tl.int64) * gw_stride + cols * gw_stride_c
+        g = tl.load(row, mask=keep, other=0.0).to(tl.float32)
+        tl.store(row, (g + acc).to(gw_ptr.dtype.element_ty), mask=keep)
 
 
 class Factors(NamedTuple):
@@ -368,7 +354,7 @@ def add_label_rows(grad_w: torch.Tensor, x: torch.Tensor, label: LabelTerm | Non
         return
     rows, h = x.shape
     key, order = torch.sort(torch.where(label.coef != 0, label.y, grad_w.shape[0]), stable=True)
-    grid = (triton.cdiv(rows, 16), triton.cdiv(h, 256))
+    grid = (rows, triton.cdiv(h, 256))
     _label_rows_kernel[grid](
         grad_w, x, label.coef, key, order, rows, grad_w.shape[0], h, *grad_w.stride(), *x.stride(), BR=16, BH=256
     )
