@@ -5,8 +5,8 @@ A JAX array's rows are its width apart, so at a vocabulary whose rows are not al
 multiple of :data:`SPLIT_MULTIPLE`) a chunk's logits can be made as two arrays
 (:func:`vocab_parts`, with ``Backend.vocab_parts``): the aligned columns, which the Mosaic GPU
 kernels and the in-place ``grad_weight`` add can take, and the few left. Each GEMM then runs
-per part on row ranges of the head; ``grad_weight`` stays one ``[V, H]`` accumulator, each
-part's product added to its rows.
+per part on row ranges of the head, and ``grad_weight`` is accumulated per part and joined once
+after the last chunk.
 """
 
 from __future__ import annotations
@@ -66,38 +66,34 @@ def grad_x(
 
 
 def accumulate(
-    acc: jax.Array | None,
+    accs: tuple[jax.Array, ...] | None,
     gs: Sequence[jax.Array],
     xc: jax.Array,
     dtype,
-    parts: Sequence[slice],
     in_place: ModuleType | None,
-) -> jax.Array:
-    """The ``[V, H]`` accumulator ``acc`` with each part's ``gᵀ x`` added to its rows; the first
-    chunk's (``acc`` None) written, not added. XLA (0.11, H200) folds the add into the GEMM
-    (beta = 1) only with its Triton GEMMs off (``xla_gpu_enable_triton_gemm=False``,
-    docs/choosing.md); otherwise each chunk after the first costs a product buffer and an add
-    pass (docs/design-notes.md, GEMMs). Hence the in-place kernel of the Mosaic GPU backends
-    (``in_place``), where it fits the part: the aligned part, the accumulator's first rows."""
-    v, h = parts[-1].stop, xc.shape[1]
-    if acc is None:
-        if len(parts) == 1:
-            return dot(gs[0], xc, (0, 0), dtype)
-        lead = jax.ShapeDtypeStruct((v, h), dtype)
-        if in_place is not None and in_place.fits(lead, gs[0], xc):
-            acc = in_place.product(gs[0], xc, v)  # its rows past the first part are set below
-            for g, cols in zip(gs[1:], parts[1:], strict=True):
-                acc = acc.at[cols].set(dot(g, xc, (0, 0), dtype))
-            return acc
-        return jnp.concatenate([dot(g, xc, (0, 0), dtype) for g in gs])
-    for g, cols in zip(gs, parts, strict=True):
-        if cols.start == 0 and in_place is not None and in_place.fits(acc, g, xc):
-            acc = in_place.accumulate(acc, g, xc)
-        elif len(parts) == 1:
-            acc = acc + dot(g, xc, (0, 0), dtype)
+) -> tuple[jax.Array, ...]:
+    """Each part's ``grad_weight`` rows (one accumulator a part, :func:`join` makes them one)
+    with the part's ``gᵀ x`` added; the first chunk's (``accs`` None) written, not added. XLA
+    (0.11, H200) folds the add into the GEMM (beta = 1) only with its Triton GEMMs off
+    (``xla_gpu_enable_triton_gemm=False``, docs/choosing.md); otherwise each chunk after the first
+    costs a product buffer and an add pass (docs/design-notes.md, GEMMs). Hence the in-place
+    kernel of the Mosaic GPU backends (``in_place``), where it fits a part's accumulator. Each part
+    keeps its own: a slice of one ``[V, H]`` accumulator updated after the in-place kernel's call
+    fails in XLA's GPU compiler at some shapes (dynamic-slice fusion, jax 0.11)."""
+    if accs is None:
+        return tuple(dot(g, xc, (0, 0), dtype) for g in gs)
+    out = []
+    for acc, g in zip(accs, gs, strict=True):
+        if in_place is not None and in_place.fits(acc, g, xc):
+            out.append(in_place.accumulate(acc, g, xc))
         else:
-            acc = acc.at[cols].add(dot(g, xc, (0, 0), dtype))
-    return acc
+            out.append(acc + dot(g, xc, (0, 0), dtype))
+    return tuple(out)
+
+
+def join(accs: tuple[jax.Array, ...]) -> jax.Array:
+    """The ``[V, H]`` ``grad_weight`` from the parts' accumulators (a copy where there are several)."""
+    return accs[0] if len(accs) == 1 else jnp.concatenate(accs)
 
 
 def add_label_rows(acc: jax.Array, x: jax.Array, label: LabelTerm) -> jax.Array:

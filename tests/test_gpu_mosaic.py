@@ -121,9 +121,6 @@ def test_grad_weight_kernel_adds_in_place_rounding_once(dtype, rows: int, extra:
     assert bool(jnp.all(jnp.abs(got - exact) <= half_ulp * jnp.abs(exact) + 1e-4))
     xla = (acc[:v] + jnp.dot(g.T, x, preferred_element_type=jnp.float32).astype(dtype)).astype(jnp.float32)
     assert float(jnp.linalg.norm(got - exact)) <= float(jnp.linalg.norm(xla - exact))  # one rounding, not two
-    # the first chunk's kernel writes a fresh accumulator's first rows
-    written = jax.jit(lambda g, x: mosaic_accumulate.product(g, x, v + extra)[:v])(g, x).astype(jnp.float32)
-    assert bool(jnp.all(jnp.abs(written - product) <= half_ulp * jnp.abs(product) + 1e-4))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -165,16 +162,17 @@ def test_topk_teacher_holds_no_second_logits_buffer() -> None:
     assert topk < probs + logits_chunk // 2, (topk, probs, logits_chunk)
 
 
+@pytest.mark.parametrize("v", [8291, 8193])
 @pytest.mark.parametrize("fn", ["cross_entropy", "topk", "forward", "teacher_head"])
-def test_vocabulary_parts_run_the_aligned_part_on_mosaic(fn: str) -> None:
-    """``Backend.vocab_parts`` at V = 8291 (8192 + 99): the aligned part's row phases and
-    ``grad_weight`` add run on Mosaic GPU, the rest on XLA; the results are the one-part chunk's
-    (the XLA phases) to bf16's rounding."""
+def test_vocabulary_parts_run_the_aligned_part_on_mosaic(fn: str, v: int) -> None:
+    """``Backend.vocab_parts`` at V = 8291 (8192 + 99) and 8193 (a rest of one column):
+    the aligned part's row phases and ``grad_weight`` add run on Mosaic GPU, the rest on XLA; the
+    results are the one-part chunk's (the XLA phases) to bf16's rounding."""
     from dataclasses import replace
 
     from jax_kl.backends import resolve
 
-    n, h, v, k = 1024, 256, 8291, 16
+    n, h, k = 1024, 256, 16
     keys = jax.random.split(jax.random.key(0), 4)
     x = jax.random.normal(keys[0], (n, h), jnp.bfloat16)
     w = (jax.random.normal(keys[1], (v, h)) * h**-0.5).astype(jnp.bfloat16)

@@ -14,12 +14,10 @@ Layout: a persistent kernel, one program per multiprocessor, walks the ``[V, H]`
 through shared memory and two compute warpgroups each multiply one ``128 x 128`` half with WGMMA,
 ``g``'s slice read transposed (``[64, 128]`` in memory, ``[128, 64]`` to the tensor cores).
 The chunk's columns and ``H`` must be whole numbers of output tiles (:func:`fits`); the driver
-uses XLA's add elsewhere. The accumulator may have more rows than the chunk has columns (an
-unaligned vocabulary's ``[V, H]``, whose aligned columns are one part of the chunk): its tiles
+uses XLA's add elsewhere. The accumulator may have more rows than the chunk has columns: its tiles
 move through shared memory in ``[128, 64]`` slices, one 128-byte swizzle row each, tiled
 ``(1, 64)``: the same bytes as the operands' ``(8, 64)`` tiling, but a tiling that asks nothing
-of the accumulator's row count, where ``(8, 64)`` needs it a multiple of 8. :func:`product` is
-the same GEMM writing a fresh accumulator (the first chunk's, at such a vocabulary).
+of the accumulator's row count, where ``(8, 64)`` needs it a multiple of 8.
 
 ``torch_kl`` needs no counterpart: ``torch.addmm`` into the accumulator is cuBLAS's beta = 1 GEMM.
 """
@@ -83,7 +81,7 @@ def _operand(cols: int, dtype) -> plgpu.BlockSpec:
     return plgpu.BlockSpec((TILE_K, cols), lambda k: (k, 0), transforms=transforms, delay_release=DELAY)
 
 
-def _body(g_gmem, x_gmem, acc_gmem, *, add: bool):
+def _body(g_gmem, x_gmem, acc_gmem):
     rows, v = g_gmem.shape
     h = x_gmem.shape[1]
     m_iters, n_iters = v // CTA_M, h // CTA_N
@@ -127,16 +125,15 @@ def _body(g_gmem, x_gmem, acc_gmem, *, add: bool):
                 @functools.partial(pl.run_scoped, product=plgpu.ACC((TILE_M, TILE_N), jnp.float32))
                 def accumulate(product):
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's store has left
-                    if add:  # the tile's accumulator slices load while the main loop runs
-                        for src, dst, barrier in zip(outs, mine, arrived, strict=True):
-                            plgpu.copy_gmem_to_smem(src, dst, barrier)
+                    # the tile's accumulator slices load while the main loop runs
+                    for src, dst, barrier in zip(outs, mine, arrived, strict=True):
+                        plgpu.copy_gmem_to_smem(src, dst, barrier)
                     run_main_loop(product)
                     total = product[...]
                     for j, (dst, barrier) in enumerate(zip(mine, arrived, strict=True)):
                         part = total[:, j * SLICE_COLS : (j + 1) * SLICE_COLS]
-                        if add:
-                            plgpu.barrier_wait(barrier)
-                            part = dst[...].astype(jnp.float32) + part
+                        plgpu.barrier_wait(barrier)
+                        part = dst[...].astype(jnp.float32) + part
                         dst[...] = part.astype(dst.dtype)
                     plgpu.commit_smem()
                     for src, dst in zip(mine, outs, strict=True):
@@ -153,11 +150,10 @@ def _body(g_gmem, x_gmem, acc_gmem, *, add: bool):
     plgpu.wait_smem_to_gmem(0)
 
 
-def _kernel(add: bool, out_type: object):
+def _kernel():
     mesh = plgpu.Mesh(grid=(_sms(),), grid_names=("sm",), num_threads=3, thread_name="wg", kernel_name=NAME)
     params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
-    body = functools.partial(_body, add=add)
-    return pl.kernel(body, out_type=out_type, mesh=mesh, compiler_params=params, name=NAME)
+    return pl.kernel(_body, out_type=(), mesh=mesh, compiler_params=params, name=NAME)
 
 
 def accumulate(acc: jax.Array, g: jax.Array, x: jax.Array) -> jax.Array:
@@ -165,12 +161,6 @@ def accumulate(acc: jax.Array, g: jax.Array, x: jax.Array) -> jax.Array:
     the module docstring); needs :func:`fits`."""
     ref = jax.new_ref(acc)
     with unchecked_vma():
-        _kernel(True, ())(g, x, ref)
+        _kernel()(g, x, ref)
     return jax.freeze(ref)
 
-
-def product(g: jax.Array, x: jax.Array, rows: int) -> jax.Array:
-    """A fresh ``[rows, H]`` accumulator whose first ``g.shape[1]`` rows are ``gᵀ x``; the rows
-    past them are not written, for the caller to set. Needs :func:`fits` of such an array."""
-    with unchecked_vma():
-        return _kernel(False, jax.ShapeDtypeStruct((rows, x.shape[1]), g.dtype))(g, x)
