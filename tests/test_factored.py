@@ -385,8 +385,12 @@ def test_a_label_most_rows_share_is_summed_in_blocks_of_rows():
     coef = -torch.rand(rows, generator=gen) / rows
     grad_w = torch.zeros(v, h, dtype=torch.float32)
     triton_factored.add_label_rows(grad_w, x, triton_factored.LabelTerm(coef, y))
-    want = torch.zeros(v, h, dtype=torch.float64).index_add(0, y, coef.double()[:, None] * x.double())
-    torch.testing.assert_close(grad_w.double(), want, rtol=1e-5, atol=1e-9)
+    terms = coef.double()[:, None] * x.double()
+    want = torch.zeros(v, h, dtype=torch.float64).index_add(0, y, terms)
+    # A float32 sum errs by a few of float32's units (6e-8) of the sum of |terms|, whatever the order
+    # (the sum itself may cancel); a dropped row moves its columns by ~1/300 of it.
+    size = torch.zeros(v, h, dtype=torch.float64).index_add(0, y, terms.abs())
+    assert ((grad_w.double() - want).abs() <= 1e-6 * size).all()
 
 
 @pytest.mark.parametrize("offset", [0, 5, 15, 16, 17])

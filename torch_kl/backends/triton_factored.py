@@ -190,35 +190,57 @@ def _scale_rows_kernel(
 
 
 @triton.jit
+def _run_sum(k1, v1, k2, v2):
+    """The segmented scan's step: a row's value adds the rows before it of the same key."""
+    return k2, tl.where(k1 == k2, v1 + v2, v2)
+
+
+@triton.jit
 def _label_rows_kernel(gw_ptr, x_ptr, coef_ptr, key_ptr, order_ptr, rows, V, H, gw_stride, gw_stride_c, x_stride,
                        x_stride_c, BR: tl.constexpr, BH: tl.constexpr):  # fmt: skip
     """``gw_k += sum_r coef_r x_r`` over the rows ``r`` whose label is ``k``: the rows sorted by
-    ``key`` (their label, or ``V`` where they add nothing), the program at each label's first row
-    sums its rows in float32, ``BR`` at a time (a label that many rows share costs a few wide
-    loads, not a chain of one row after another), and rounds the sum into ``gw`` once; the
-    others do nothing."""
-    i = tl.program_id(0)
+    ``key`` (their label, or ``V`` where they add nothing), each program takes ``BR`` of them
+    (their loads independent of each other), sums each label's run in float32 by a segmented
+    scan down the tile and rounds it into ``gw`` once, at the run's last row. A run belongs to the
+    program of its first row: a later tile skips the rows of a run it did not begin, and the
+    tile whose last run goes on sums the rest ``BR`` rows at a time before it writes."""
+    i0 = tl.program_id(0) * BR
     cols = tl.program_id(1) * BH + tl.arange(0, BH)
     keep = cols < H
-    k = tl.load(key_ptr + i)
-    previous = tl.load(key_ptr + tl.maximum(i - 1, 0))
-    if (k < V) & ((i == 0) | (previous != k)):
-        acc = tl.zeros([BH], tl.float32)
-        j = i
-        more = k == k
+    at = i0 + tl.arange(0, BR)
+    before = tl.load(key_ptr + tl.maximum(i0 - 1, 0), mask=i0 > 0, other=-1)
+    k = tl.load(key_ptr + at, mask=at < rows, other=V)
+    k = tl.where(k == before, V, k)
+    adds = k < V
+    ends = adds & (tl.load(key_ptr + at + 1, mask=at + 1 < rows, other=-1) != k)
+    r = tl.load(order_ptr + at, mask=adds, other=0).to(tl.int64)
+    c = tl.load(coef_ptr + r, mask=adds, other=0.0).to(tl.float32)
+    xs = tl.load(x_ptr + r[:, None] * x_stride + cols[None, :] * x_stride_c, mask=adds[:, None] & keep[None, :],
+                 other=0.0)  # fmt: skip
+    keys = tl.broadcast_to(k.to(tl.int32)[:, None], (BR, BH))
+    _, sums = tl.associative_scan((keys, c[:, None] * xs.to(tl.float32)), 0, _run_sum)
+    ptrs = gw_ptr + k.to(tl.int64)[:, None] * gw_stride + cols[None, :] * gw_stride_c
+    m = ends[:, None] & keep[None, :]
+    g = tl.load(ptrs, mask=m, other=0.0).to(tl.float32)
+    tl.store(ptrs, (g + sums).to(gw_ptr.dtype.element_ty), mask=m)
+    last = tl.load(key_ptr + i0 + BR - 1, mask=i0 + BR - 1 < rows, other=V)
+    j = i0 + BR
+    if (last < V) & (last != before) & (tl.load(key_ptr + j, mask=j < rows, other=-1) == last):
+        acc = tl.sum(tl.where((at == i0 + BR - 1)[:, None], sums, 0.0), axis=0)
+        more = last == last
         while more:
-            at = j + tl.arange(0, BR)
-            same = tl.load(key_ptr + at, mask=at < rows, other=-1) == k  # a prefix: the keys are sorted
-            r = tl.load(order_ptr + at, mask=same, other=0).to(tl.int64)
-            c = tl.load(coef_ptr + r, mask=same, other=0.0).to(tl.float32)
-            xs = tl.load(x_ptr + r[:, None] * x_stride + cols[None, :] * x_stride_c, mask=same[:, None] & keep[None, :],
-                         other=0.0)  # fmt: skip
-            acc += tl.sum(c[:, None] * xs.to(tl.float32), axis=0)
+            at_j = j + tl.arange(0, BR)
+            same = tl.load(key_ptr + at_j, mask=at_j < rows, other=-1) == last  # a prefix: the keys are sorted
+            r_j = tl.load(order_ptr + at_j, mask=same, other=0).to(tl.int64)
+            c_j = tl.load(coef_ptr + r_j, mask=same, other=0.0).to(tl.float32)
+            x_j = tl.load(x_ptr + r_j[:, None] * x_stride + cols[None, :] * x_stride_c,
+                          mask=same[:, None] & keep[None, :], other=0.0)  # fmt: skip
+            acc += tl.sum(c_j[:, None] * x_j.to(tl.float32), axis=0)
             j += BR
             more = (tl.sum(same.to(tl.int32), axis=0) == BR) & (j < rows)
-        row = gw_ptr + k.to(tl.int64) * gw_stride + cols * gw_stride_c
-        g = tl.load(row, mask=keep, other=0.0).to(tl.float32)
-        tl.store(row, (g + acc).to(gw_ptr.dtype.element_ty), mask=keep)
+        row = gw_ptr + last.to(tl.int64) * gw_stride + cols * gw_stride_c
+        g_last = tl.load(row, mask=keep, other=0.0).to(tl.float32)
+        tl.store(row, (g_last + acc).to(gw_ptr.dtype.element_ty), mask=keep)
 
 
 class Factors(NamedTuple):
@@ -354,7 +376,8 @@ def add_label_rows(grad_w: torch.Tensor, x: torch.Tensor, label: LabelTerm | Non
         return
     rows, h = x.shape
     key, order = torch.sort(torch.where(label.coef != 0, label.y, grad_w.shape[0]), stable=True)
-    grid = (rows, triton.cdiv(h, 256))
+    grid = (triton.cdiv(rows, 16), triton.cdiv(h, 64))
     _label_rows_kernel[grid](
-        grad_w, x, label.coef, key, order, rows, grad_w.shape[0], h, *grad_w.stride(), *x.stride(), BR=16, BH=256
-    )
+        grad_w, x, label.coef, key, order, rows, grad_w.shape[0], h, *grad_w.stride(), *x.stride(), BR=16, BH=64,
+        num_warps=2,
+    )  # fmt: skip
