@@ -5,8 +5,9 @@ A JAX array's rows are its width apart, so at a vocabulary whose rows are not al
 multiple of :data:`SPLIT_MULTIPLE`) a chunk's logits can be made as two arrays
 (:func:`vocab_parts`, with ``Backend.vocab_parts``): the aligned columns, which the Mosaic GPU
 kernels and the in-place ``grad_weight`` add can take, and the few left. Each GEMM then runs
-per part on row ranges of the head, and ``grad_weight`` is accumulated per part and joined once
-after the last chunk.
+per part on row ranges of the head. ``grad_weight`` is one ``[V, H]`` array where the in-place add
+takes every chunk's aligned part (:func:`one_accumulator`), else one accumulator a part, joined
+once after the last chunk (:func:`join`).
 """
 
 from __future__ import annotations
@@ -65,21 +66,43 @@ def grad_x(
     return total.astype(dtype)
 
 
+def one_accumulator(
+    v: int, h: int, parts: Sequence[slice], bounds: Sequence[tuple[int, int]], dtype, accum, in_place: ModuleType | None
+) -> bool:
+    """Whether an unaligned vocabulary's ``grad_weight`` is one ``[V, H]`` array from the first
+    chunk on: where ``in_place`` takes every chunk's aligned part (``dtype`` operands, ``accum``
+    accumulator). The rest's rows are then summed apart in float32 and put into their rows once
+    after the last chunk (:func:`join`): no copy joins the parts' accumulators, for one zero fill.
+    A slice of that array updated after every chunk's in-place call instead fails XLA's GPU
+    compiler (dynamic-slice fusion, jax 0.11) at some shapes."""
+    if len(parts) < 2 or in_place is None:
+        return False
+    width = parts[0].stop - parts[0].start
+    acc, shape = jax.ShapeDtypeStruct((v, h), accum), jax.ShapeDtypeStruct
+    return all(in_place.fits(acc, shape((b - a, width), dtype), shape((b - a, h), dtype)) for a, b in bounds)
+
+
 def accumulate(
     accs: tuple[jax.Array, ...] | None,
     gs: Sequence[jax.Array],
     xc: jax.Array,
     dtype,
     in_place: ModuleType | None,
+    one: bool = False,
 ) -> tuple[jax.Array, ...]:
-    """Each part's ``grad_weight`` rows (one accumulator a part, :func:`join` makes them one)
-    with the part's ``gᵀ x`` added; the first chunk's (``accs`` None) written, not added. XLA
-    (0.11, H200) folds the add into the GEMM (beta = 1) only with its Triton GEMMs off
-    (``xla_gpu_enable_triton_gemm=False``, docs/choosing.md); otherwise each chunk after the first
-    costs a product buffer and an add pass (docs/design-notes.md, GEMMs). Hence the in-place
-    kernel of the Mosaic GPU backends (``in_place``), where it fits a part's accumulator. Each part
-    keeps its own: a slice of one ``[V, H]`` accumulator updated after the in-place kernel's call
-    fails in XLA's GPU compiler at some shapes (dynamic-slice fusion, jax 0.11)."""
+    """``grad_weight``'s accumulators with the chunk's ``gᵀ x`` added, the first chunk's (``accs``
+    None) written. With ``one`` (:func:`one_accumulator`): ``([V, H], rest's float32 rows)``, the
+    aligned part added in place into the first rows. Else one accumulator a part, ``dtype``,
+    :func:`join` makes them one. XLA (0.11, H200) folds the add into the GEMM (beta = 1) only
+    with its Triton GEMMs off (``xla_gpu_enable_triton_gemm=False``, docs/choosing.md); otherwise
+    each chunk after the first costs a product buffer and an add pass (docs/design-notes.md,
+    GEMMs). Hence the in-place kernel of the Mosaic GPU backends (``in_place``), where it fits a
+    part's accumulator."""
+    if one:
+        v = sum(g.shape[1] for g in gs)
+        whole, rest = (jnp.zeros((v, xc.shape[1]), dtype), None) if accs is None else accs
+        product = dot(gs[1], xc, (0, 0), jnp.float32)
+        return in_place.accumulate(whole, gs[0], xc), product if rest is None else rest + product  # type: ignore[union-attr]
     if accs is None:
         return tuple(dot(g, xc, (0, 0), dtype) for g in gs)
     out = []
@@ -91,8 +114,17 @@ def accumulate(
     return tuple(out)
 
 
-def join(accs: tuple[jax.Array, ...]) -> jax.Array:
-    """The ``[V, H]`` ``grad_weight`` from the parts' accumulators (a copy where there are several)."""
+def join(accs: tuple[jax.Array, ...], one: bool = False) -> jax.Array:
+    """The ``[V, H]`` ``grad_weight`` from :func:`accumulate`'s accumulators: with ``one``, the
+    rest's rows put into the last rows of the first; else the parts' concatenated (a copy
+    where there are several)."""
+    if one:
+        # A select, one pass over the array: a dynamic_update_slice whose target is the in-place
+        # kernel's output fails XLA's GPU compiler in some modes (dynamic-slice fusion, jax 0.11).
+        whole, rest = accs
+        start = whole.shape[0] - rest.shape[0]
+        rest_rows = lax.broadcasted_iota(jnp.int32, whole.shape, 0) >= start
+        return jnp.where(rest_rows, jnp.pad(rest.astype(whole.dtype), ((start, 0), (0, 0))), whole)
     return accs[0] if len(accs) == 1 else jnp.concatenate(accs)
 
 

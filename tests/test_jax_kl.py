@@ -300,3 +300,53 @@ def test_a_chunk_in_vocabulary_parts_gives_the_whole_chunks_results(backend: str
         np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=1e-5, atol=1e-6)
     program = str(jax.make_jaxpr(lambda *a: loss(*a, chosen[1]))(x, w, b))
     assert "f32[5,256]" in program and "f32[5,44]" in program
+
+
+class _AddInPlace:
+    """A stand-in for ``mosaic_accumulate`` (which runs on Hopper only): any operands fit; adds
+    ``gᵀ x`` into the accumulator's first rows."""
+
+    @staticmethod
+    def fits(acc, g, x) -> bool:
+        return True
+
+    @staticmethod
+    def accumulate(acc: jax.Array, g: jax.Array, x: jax.Array) -> jax.Array:
+        product = jnp.dot(g.T, x, precision="highest", preferred_element_type=jnp.float32)
+        return acc.at[: g.shape[1]].add(product.astype(acc.dtype))
+
+
+@pytest.mark.parametrize("case", ["cross_entropy", "forward", "teacher_head"])
+def test_grad_weight_in_one_array_where_the_in_place_add_takes_every_aligned_part(case: str) -> None:
+    """``jax_kl.gemm.one_accumulator``: with an in-place add that takes every chunk's aligned part,
+    ``grad_weight`` at V = 300 is one array (the aligned rows added in place, the rest's 44 rows
+    summed apart and selected into it after the last chunk); the results are the one-part chunk's."""
+    fmt, options = VOCAB_PART_CASES[case]
+    options = dict(options)
+    bias = options.pop("bias", False)
+    inp = make_inputs(12, 8, 300, bias=bias, target_format="logits" if fmt == "ce" else fmt, k=40, pad_frac=0.2,
+                      teacher_bias=fmt == "hidden")  # fmt: skip
+    arrays = jax_arrays(inp)
+    x, w, b, lab = arrays["x"], arrays["weight"], arrays.get("bias"), arrays["labels"]
+    resolved = replace(jax_kl.backends.resolve("xla"), vocab_parts=True, in_place_grad_weight=_AddInPlace)
+
+    def loss(x, w, chosen):
+        common = dict(bias=b, backend=chosen, chunk_size=5, **options)
+        if fmt == "ce":
+            return jax_kl.fused_linear_cross_entropy(x, w, lab, **common)
+        keys = ("target_indices", "teacher_weight", "teacher_bias")
+        teacher = {k: arrays[k] for k in keys if k in arrays}
+        return jax_kl.fused_linear_kl_div(x, w, arrays["target"], lab, target_format=fmt, **teacher, **common)
+
+    chosen = (replace(resolved, vocab_parts=False), resolved)
+    want, got = (jax.value_and_grad(loss, argnums=(0, 1))(x, w, c) for c in chosen)
+    for a, c in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=1e-5, atol=1e-6)
+
+    def grad_weight_ops(backend) -> tuple[int, int]:
+        lines = str(jax.make_jaxpr(lambda x, w: jax.grad(loss, argnums=1)(x, w, backend))(x, w)).splitlines()
+        made = [line for line in lines if "f32[300,8] =" in line]
+        return sum("concatenate" in line for line in made), sum("select_n" in line for line in made)
+
+    assert grad_weight_ops(resolved) == (0, 1)  # the rest's rows selected into the one array
+    assert grad_weight_ops(replace(resolved, in_place_grad_weight=None)) == (1, 0)  # the parts joined

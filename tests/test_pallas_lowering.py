@@ -258,17 +258,23 @@ def _mosaic_calls(backend, n: int, h: int, v: int, probs: bool = False) -> tuple
     return len(calls), sum("operand_index = 2" in line for line in calls)
 
 
-def test_an_unaligned_vocabulary_joins_the_parts_grad_weight_once() -> None:
-    """At V = 8291 each part keeps its own ``grad_weight`` accumulator (the aligned one added into
-    in place) and one copy joins them after the last chunk, with the in-place kernel or without:
-    no part's rows are updated in a slice of the in-place kernel's output."""
+def test_an_unaligned_vocabulary_keeps_grad_weight_in_one_array_where_the_in_place_add_runs() -> None:
+    """At V = 8291 with the in-place kernel, ``grad_weight`` is one ``[V, H]`` array: zeros, every
+    chunk's aligned part added in place into its first rows, the rest's 99 rows selected into it
+    once after the last chunk, and no copy joins parts; without the kernel each part keeps its own
+    accumulator and one copy joins them. No part's rows are updated in a slice after every chunk."""
 
-    def joins(backend) -> int:
-        text = _grad_weight_lowering(backend, 1024, 256, 8291)
-        return sum("stablehlo.concatenate" in line and "tensor<8291x256xbf16>" in line for line in text.splitlines())
+    def count(backend) -> tuple[int, int]:
+        lines = _grad_weight_lowering(backend, 1024, 256, 8291).splitlines()
+        joins = sum("stablehlo.concatenate" in line and "tensor<8291x256xbf16>" in line for line in lines)
+        writes = sum("stablehlo.select" in line and "tensor<8291x256xbf16>" in line for line in lines)
+        return joins, writes
 
-    assert joins(_as_on_hopper()) == 1
-    assert joins(_as_on_hopper(in_place_grad_weight=None)) == 1
+    assert count(_as_on_hopper()) == (0, 1)
+    assert count(_as_on_hopper(in_place_grad_weight=None)) == (1, 0)
+    # a last chunk the in-place add cannot take (233 rows): the parts' accumulators again
+    lines = _grad_weight_lowering(_as_on_hopper(), 1001, 256, 8291).splitlines()
+    assert sum("stablehlo.concatenate" in line and "tensor<8291x256xbf16>" in line for line in lines) == 1
 
 
 def test_a_last_chunk_of_odd_rows_keeps_xla_s_add() -> None:
@@ -281,7 +287,7 @@ def test_a_last_chunk_of_odd_rows_keeps_xla_s_add() -> None:
 def test_vocabulary_parts_split_where_the_in_place_add_takes_the_aligned_part() -> None:
     """``jax_kl.gemm.vocab_parts`` splits at a multiple of ``mosaic_accumulate``'s row tile; at
     V = 8291 the aligned part's row phases and ``grad_weight`` GEMM lower to Mosaic GPU kernels:
-    the chunks after the first add into the aligned part's accumulator in place."""
+    every chunk adds into the accumulator's aligned rows in place."""
     from jax_kl import gemm
     from jax_kl.backends import mosaic_accumulate
 
@@ -290,8 +296,8 @@ def test_vocabulary_parts_split_where_the_in_place_add_takes_the_aligned_part() 
     assert [(p.start, p.stop) for p in gemm.vocab_parts(300, False)] == [(0, 300)]
     assert [(p.start, p.stop) for p in gemm.vocab_parts(256, True)] == [(0, 256)]
     assert [(p.start, p.stop) for p in gemm.vocab_parts(100, True)] == [(0, 100)]
-    # every chunk's aligned part: stats and finish on Mosaic GPU; chunks 2 to 4 add in place
-    assert _mosaic_calls(_as_on_hopper(), 1024, 256, 8291) == (4 * 2 + 3, 3)
+    # every chunk's aligned part: stats and finish on Mosaic GPU, its grad_weight added in place
+    assert _mosaic_calls(_as_on_hopper(), 1024, 256, 8291) == (4 * 3, 4)
     assert _mosaic_calls(_as_on_hopper(vocab_parts=False), 1024, 256, 8291) == (0, 0)  # one part: all on XLA
     # a dense teacher's aligned columns go with the aligned part: its stats and finish too
-    assert _mosaic_calls(_as_on_hopper(), 1024, 256, 8291, probs=True) == (4 * 2 + 3, 3)
+    assert _mosaic_calls(_as_on_hopper(), 1024, 256, 8291, probs=True) == (4 * 3, 4)
