@@ -66,12 +66,12 @@ def forward(
         OPS.sort, jnp,
     )  # fmt: skip
     accum = jnp.dtype(run.accum_dtype) if run.accum_dtype else weight.dtype
-    one_acc = gemm.one_accumulator(v, h, vocab_cols, plan.bounds, x.dtype, accum, backend.in_place_grad_weight)
+    one_array = gemm.single_array(v, h, vocab_cols, plan.bounds, x.dtype, accum, backend.in_place_grad_weight)
     row_losses, own_losses = [], []
     # Each chunk's rows of grad_x are written into one [N, H] buffer, as torch_kl's driver does:
     # products gathered by a concatenation at the end would all live beside its result.
     grad_x = jnp.zeros_like(x) if needs.x else None
-    grad_ws = grad_b = None  # the first chunk's GEMMs write the accumulators: no [V, H] zero fill
+    grad_ws = grad_b = None  # the first chunk makes them (gemm.accumulate)
     # The chunks' label terms of grad_weight (fused_kl.chunk.LabelTerm), its largest entries:
     # summed over every chunk in float32 and rounded into grad_weight once, after the last chunk.
     labels: list[LabelTerm] = []
@@ -111,7 +111,7 @@ def forward(
         if needs.x:
             grad_x = lax.dynamic_update_slice(grad_x, gemm.grad_x(gs, weight, x.dtype, vocab_cols, label), (start, 0))
         if needs.weight:
-            grad_ws = gemm.accumulate(grad_ws, gs, xc, accum, backend.in_place_grad_weight, one_acc)
+            grad_ws = gemm.accumulate(grad_ws, gs, xc, accum, backend.in_place_grad_weight, one_array)
             if label is not None:
                 labels.append(label)
         if needs.bias:
@@ -123,7 +123,7 @@ def forward(
 
     total = jnp.sum(rowmath.nan_rows(invalid, jnp.concatenate(row_losses), jnp)) if row_losses else jnp.float32(0.0)
     rows = rowmath.nan_rows(invalid, jnp.concatenate(own_losses), jnp) if own_losses else jnp.zeros((0,), jnp.float32)
-    grad_w = None if grad_ws is None else gemm.join(grad_ws, one_acc)
+    grad_w = None if grad_ws is None else gemm.join(grad_ws, one_array)
     if labels:
         together = LabelTerm(*(jnp.concatenate(column) for column in zip(*labels, strict=True)))
         grad_w = gemm.add_label_rows(grad_w, x, together)  # type: ignore[arg-type]

@@ -6,7 +6,7 @@ multiple of :data:`SPLIT_MULTIPLE`) a chunk's logits can be made as two arrays
 (:func:`vocab_parts`, with ``Backend.vocab_parts``): the aligned columns, which the Mosaic GPU
 kernels and the in-place ``grad_weight`` add can take, and the few left. Each GEMM then runs
 per part on row ranges of the head. ``grad_weight`` is one ``[V, H]`` array where the in-place add
-takes every chunk's aligned part (:func:`one_accumulator`), else one accumulator a part, joined
+takes every chunk's aligned part (:func:`single_array`), else one accumulator a part, joined
 once after the last chunk (:func:`join`).
 """
 
@@ -66,43 +66,52 @@ def grad_x(
     return total.astype(dtype)
 
 
-def one_accumulator(
-    v: int, h: int, parts: Sequence[slice], bounds: Sequence[tuple[int, int]], dtype, accum, in_place: ModuleType | None
+def single_array(
+    v: int,
+    h: int,
+    parts: Sequence[slice],
+    bounds: Sequence[tuple[int, int]],
+    operand_dtype: jnp.dtype,
+    accum_dtype: jnp.dtype,
+    in_place: ModuleType | None,
 ) -> bool:
     """Whether an unaligned vocabulary's ``grad_weight`` is one ``[V, H]`` array from the first
-    chunk on: where ``in_place`` takes every chunk's aligned part (``dtype`` operands, ``accum``
-    accumulator). The rest's rows are then summed apart in float32 and put into their rows once
-    after the last chunk (:func:`join`): no copy joins the parts' accumulators, for one zero fill.
-    A slice of that array updated after every chunk's in-place call instead fails XLA's GPU
+    chunk on: where ``in_place`` takes the aligned part of every chunk (``bounds``, the chunks' row
+    ranges). The rest's rows are then summed apart in float32 and put into their rows once after
+    the last chunk (:func:`join`): no copy joins the parts' accumulators, for one zero fill. A
+    slice of that array updated after every chunk's in-place call instead fails XLA's GPU
     compiler (dynamic-slice fusion, jax 0.11) at some shapes."""
     if len(parts) < 2 or in_place is None:
         return False
     width = parts[0].stop - parts[0].start
-    acc, shape = jax.ShapeDtypeStruct((v, h), accum), jax.ShapeDtypeStruct
-    return all(in_place.fits(acc, shape((b - a, width), dtype), shape((b - a, h), dtype)) for a, b in bounds)
+    acc, shape = jax.ShapeDtypeStruct((v, h), accum_dtype), jax.ShapeDtypeStruct
+    return all(
+        in_place.fits(acc, shape((b - a, width), operand_dtype), shape((b - a, h), operand_dtype)) for a, b in bounds
+    )
 
 
 def accumulate(
     accs: tuple[jax.Array, ...] | None,
     gs: Sequence[jax.Array],
     xc: jax.Array,
-    dtype,
+    dtype: jnp.dtype,
     in_place: ModuleType | None,
-    one: bool = False,
+    one_array: bool = False,
 ) -> tuple[jax.Array, ...]:
-    """``grad_weight``'s accumulators with the chunk's ``gᵀ x`` added, the first chunk's (``accs``
-    None) written. With ``one`` (:func:`one_accumulator`): ``([V, H], rest's float32 rows)``, the
-    aligned part added in place into the first rows. Else one accumulator a part, ``dtype``,
-    :func:`join` makes them one. XLA (0.11, H200) folds the add into the GEMM (beta = 1) only
-    with its Triton GEMMs off (``xla_gpu_enable_triton_gemm=False``, docs/choosing.md); otherwise
-    each chunk after the first costs a product buffer and an add pass (docs/design-notes.md,
-    GEMMs). Hence the in-place kernel of the Mosaic GPU backends (``in_place``), where it fits a
-    part's accumulator."""
-    if one:
+    """``grad_weight``'s accumulators (``dtype``) with the chunk's ``gᵀ x`` added. With
+    ``one_array`` (:func:`single_array`): ``([V, H], the rest's float32 rows)``, the first chunk's
+    ``[V, H]`` zeros, every chunk's aligned part added in place into its first rows. Else one
+    accumulator a part, the first chunk's written by its GEMM (no zero fill), :func:`join` makes
+    them one. XLA (0.11, H200) folds the add into the GEMM (beta = 1) only with its Triton GEMMs
+    off (``xla_gpu_enable_triton_gemm=False``, docs/choosing.md); otherwise each chunk after the
+    first costs a product buffer and an add pass (docs/design-notes.md, GEMMs). Hence the in-place
+    kernel of the Mosaic GPU backends (``in_place``), where it fits a part's accumulator."""
+    if one_array:
         v = sum(g.shape[1] for g in gs)
         whole, rest = (jnp.zeros((v, xc.shape[1]), dtype), None) if accs is None else accs
+        assert in_place is not None and in_place.fits(whole, gs[0], xc), "single_array promised the in-place add"
         product = dot(gs[1], xc, (0, 0), jnp.float32)
-        return in_place.accumulate(whole, gs[0], xc), product if rest is None else rest + product  # type: ignore[union-attr]
+        return in_place.accumulate(whole, gs[0], xc), product if rest is None else rest + product
     if accs is None:
         return tuple(dot(g, xc, (0, 0), dtype) for g in gs)
     out = []
@@ -114,11 +123,11 @@ def accumulate(
     return tuple(out)
 
 
-def join(accs: tuple[jax.Array, ...], one: bool = False) -> jax.Array:
-    """The ``[V, H]`` ``grad_weight`` from :func:`accumulate`'s accumulators: with ``one``, the
+def join(accs: tuple[jax.Array, ...], one_array: bool = False) -> jax.Array:
+    """The ``[V, H]`` ``grad_weight`` from :func:`accumulate`'s accumulators: with ``one_array``, the
     rest's rows put into the last rows of the first; else the parts' concatenated (a copy
     where there are several)."""
-    if one:
+    if one_array:
         # A select, one pass over the array: a dynamic_update_slice whose target is the in-place
         # kernel's output fails XLA's GPU compiler in some modes (dynamic-slice fusion, jax 0.11).
         whole, rest = accs

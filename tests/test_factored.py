@@ -278,28 +278,6 @@ def test_the_topk_kernel_is_the_shared_topk_part(tail, temperature, hard, scale)
     assert got[0][4].isnan() and not got[0][:4].isnan().any() and got[0][5:].isfinite().all()
 
 
-def test_the_label_rows_are_summed_in_float32_and_rounded_once():
-    """``add_label_rows``: rows sharing a label (here 40 rows of label 3) are summed before their
-    one rounding into ``grad_w``; rows with no term (``coef = 0``) and other labels add nothing
-    there. Their bfloat16 sum, rounded 40 times, would be off by far more than one rounding."""
-    gen = torch.Generator().manual_seed(6)
-    rows, v, h = 64, 10, 48
-    x = torch.randn(rows, h, generator=gen).to(torch.bfloat16)
-    y = torch.randint(0, v, (rows,), generator=gen)
-    y[:40] = 3
-    coef = -torch.rand(rows, generator=gen) / rows
-    coef[40:44] = 0.0  # ignored rows, a label outside the slice
-    grad_w = torch.randn(v, h, generator=gen).to(torch.bfloat16) * 1e-3
-    want = grad_w.double().index_add(0, y, coef.double()[:, None] * x.double())
-    got = grad_w.clone()
-    triton_factored.add_label_rows(got, x, triton_factored.LabelTerm(coef, y))
-    ulp = want.abs() * 2.0**-7  # one rounding of the sum (Triton's interpreter truncates: a whole ulp)
-    assert ((got.double() - want).abs() <= ulp + 1e-12).all()
-    untouched = torch.ones(v, dtype=torch.bool)
-    untouched[y[coef != 0]] = False
-    assert torch.equal(got[untouched], grad_w[untouched])
-
-
 def test_a_row_scale_with_the_label_row():
     """``scale_rows`` with a label term: ``alpha_r src_r + coef_r W_{y_r}`` summed in float32."""
     gen = torch.Generator().manual_seed(7)
@@ -373,42 +351,3 @@ def test_the_label_rows_are_added_once_after_the_last_chunk(monkeypatch):
     F.cross_entropy(xd @ wd.T, y).backward()
     for got, ref in ((xr.grad, xd.grad), (wr.grad, wd.grad)):
         assert float((got.double() - ref).norm() / ref.norm()) < 1e-2
-
-
-def test_a_label_most_rows_share_is_summed_in_blocks_of_rows():
-    """300 rows of one label (many blocks of rows), the rest alone: each label's rows summed once."""
-    gen = torch.Generator().manual_seed(10)
-    rows, v, h = 331, 7, 300
-    x = torch.randn(rows, h, generator=gen).to(torch.bfloat16)
-    y = torch.full((rows,), 2)
-    y[300:] = torch.tensor([0, 1, 3, 4, 5, 6] * 6)[:31]
-    coef = -torch.rand(rows, generator=gen) / rows
-    grad_w = torch.zeros(v, h, dtype=torch.float32)
-    triton_factored.add_label_rows(grad_w, x, triton_factored.LabelTerm(coef, y))
-    terms = coef.double()[:, None] * x.double()
-    want = torch.zeros(v, h, dtype=torch.float64).index_add(0, y, terms)
-    # A float32 sum errs by a few of float32's units (6e-8) of the sum of |terms|, whatever the order
-    # (the sum itself may cancel); a dropped row moves its columns by ~1/300 of it.
-    size = torch.zeros(v, h, dtype=torch.float64).index_add(0, y, terms.abs())
-    assert ((grad_w.double() - want).abs() <= 1e-6 * size).all()
-
-
-@pytest.mark.parametrize("offset", [0, 5, 15, 16, 17])
-def test_a_label_run_starting_anywhere_among_the_sorted_rows(offset):
-    """A run of 37 rows of one label (more than two of the kernel's 16-row blocks) starting
-    ``offset`` rows past a multiple of 16 among the rows sorted by label is summed whole into its
-    row; labels of a few rows around it too, ignored rows (``coef = 0``) add nothing; x through strides."""
-    gen = torch.Generator().manual_seed(11 + offset)
-    rows, v, h, run = 150, 60, 40, 37
-    below = 32 + offset  # rows labelled below the run: where it starts once sorted
-    y = torch.cat([torch.randint(0, 30, (below,), generator=gen), torch.full((run,), 30),
-                   torch.randint(31, v, (rows - below - run,), generator=gen)])  # fmt: skip
-    coef = -torch.rand(rows, generator=gen)
-    coef[below + run :: 5] = 0.0  # ignored rows, sorted past every label
-    shuffle = torch.randperm(rows, generator=gen)
-    y, coef = y[shuffle], coef[shuffle]
-    x = torch.randn(h, rows, generator=gen).t()  # not contiguous
-    grad_w = torch.randn(v, h, generator=gen)
-    want = grad_w.double().index_add(0, y, coef.double()[:, None] * x.double())
-    triton_factored.add_label_rows(grad_w, x, triton_factored.LabelTerm(coef, y))
-    torch.testing.assert_close(grad_w.double(), want, rtol=1e-5, atol=1e-5)

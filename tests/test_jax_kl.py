@@ -318,7 +318,7 @@ class _AddInPlace:
 
 @pytest.mark.parametrize("case", ["cross_entropy", "forward", "teacher_head"])
 def test_grad_weight_in_one_array_where_the_in_place_add_takes_every_aligned_part(case: str) -> None:
-    """``jax_kl.gemm.one_accumulator``: with an in-place add that takes every chunk's aligned part,
+    """``jax_kl.gemm.single_array``: with an in-place add that takes every chunk's aligned part,
     ``grad_weight`` at V = 300 is one array (the aligned rows added in place, the rest's 44 rows
     summed apart and selected into it after the last chunk); the results are the one-part chunk's."""
     fmt, options = VOCAB_PART_CASES[case]

@@ -262,7 +262,7 @@ def test_an_unaligned_vocabulary_keeps_grad_weight_in_one_array_where_the_in_pla
     """At V = 8291 with the in-place kernel, ``grad_weight`` is one ``[V, H]`` array: zeros, every
     chunk's aligned part added in place into its first rows, the rest's 99 rows selected into it
     once after the last chunk, and no copy joins parts; without the kernel each part keeps its own
-    accumulator and one copy joins them. No part's rows are updated in a slice after every chunk."""
+    accumulator and one copy joins them; a last chunk the kernel cannot take, the latter."""
 
     def count(backend) -> tuple[int, int]:
         lines = _grad_weight_lowering(backend, 1024, 256, 8291).splitlines()

@@ -191,7 +191,9 @@ def _scale_rows_kernel(
 
 @triton.jit
 def _run_sum(k1, v1, k2, v2):
-    """The segmented scan's step: a row's value adds the rows before it of the same key."""
+    """The segmented scan's step: a row's value adds the rows before it of the same key. Not
+    associative for any keys, but it is on a tile's: its label keys sorted (each label's rows
+    contiguous), the rows that add nothing (key ``V``) carrying zeros and never written."""
     return k2, tl.where(k1 == k2, v1 + v2, v2)
 
 
@@ -376,6 +378,7 @@ def add_label_rows(grad_w: torch.Tensor, x: torch.Tensor, label: LabelTerm | Non
         return
     rows, h = x.shape
     key, order = torch.sort(torch.where(label.coef != 0, label.y, grad_w.shape[0]), stable=True)
+    # 16 rows x 64 columns on 2 warps: the fastest of six tile shapes (docs/design-notes.md, Row kernels)
     grid = (triton.cdiv(rows, 16), triton.cdiv(h, 64))
     _label_rows_kernel[grid](
         grad_w, x, label.coef, key, order, rows, grad_w.shape[0], h, *grad_w.stride(), *x.stride(), BR=16, BH=64,
