@@ -10,7 +10,8 @@ The anchors: the GEMM floor, the unfused loss (eager and ``torch.compile``, and 
 where written), and Liger's fused losses where one computes the mode's loss (``liger``; against a
 teacher head also its chunked JSD loss, ``liger-chunked``). The library: one
 row per backend of ``torch_kl.backends.REGISTRY`` and of ``jax_kl.backends.REGISTRY``, plus
-``torch_kl``'s default backend with fp32 accumulation and with the low-memory chunk size, and
+each package's default backend with fp32 accumulation and with the low-memory chunk size
+(``torch_kl-fp32``, ``-lowmem``, ``jax_kl-fp32``, ``-lowmem``), and
 the A/B rows that price one optimisation each: ``torch_kl/triton-cublas-logits`` (no fused
 logits GEMM), ``-unfactored`` (``dL/dz`` written by ``finish``), ``-unchecked`` (no eager value
 checks), ``-whole-vocab-gemms`` (at an unaligned vocabulary, each cuBLAS GEMM over every column
@@ -297,6 +298,11 @@ def build() -> dict[str, Impl]:
         f"jax_kl/{name}": Impl("jax", _jitted(functools.partial(_fused, "jax_kl", backend=name)))
         for name in _registry("jax_kl")
     }
+    if "jax_kl/pallas" in impls:
+        impls |= {
+            "jax_kl-fp32": Impl("jax", _jitted(functools.partial(_fused, "jax_kl", accum_dtype="float32"))),
+            "jax_kl-lowmem": Impl("jax", _jitted(functools.partial(_fused, "jax_kl", chunk_size=1024))),
+        }
     if "triton" in _registry("torch_kl"):
         # cuBLAS logits, then the `stats` and `finish` kernels: the comparison that prices both fusions
         impls["torch_kl/triton-cublas-logits"] = Impl(
