@@ -101,15 +101,15 @@ def test_unaligned_vocabulary_never_takes_the_deprecated_lowering() -> None:
 
 @pytest.mark.parametrize("extra", [0, 1, 77])  # accumulator rows past g's columns: an unaligned vocabulary's
 @pytest.mark.parametrize("rows", [192, 200])  # 200: a partial last slice of 64 rows
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-def test_grad_weight_kernel_adds_in_place_rounding_once(dtype, rows: int, extra: int) -> None:
+@pytest.mark.parametrize(("dtype", "acc_dtype"), [(jnp.bfloat16,) * 2, (jnp.float16,) * 2, (jnp.bfloat16, jnp.float32)])
+def test_grad_weight_kernel_adds_in_place_rounding_once(dtype, acc_dtype, rows: int, extra: int) -> None:
     from jax_kl.backends import mosaic_accumulate
 
     v, h = 384, 512  # 3 x 2 output tiles
     k = jax.random.split(jax.random.key(0), 3)
     g = (jax.random.normal(k[0], (rows, v)) * 0.1).astype(dtype)
     x = jax.random.normal(k[1], (rows, h)).astype(dtype)
-    acc = jax.random.normal(k[2], (v + extra, h)).astype(dtype)
+    acc = jax.random.normal(k[2], (v + extra, h)).astype(acc_dtype)
     assert mosaic_accumulate.fits(acc, g, x)
     product = jnp.dot(g.astype(jnp.float32).T, x.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
     exact = acc[:v].astype(jnp.float32) + product
@@ -117,10 +117,11 @@ def test_grad_weight_kernel_adds_in_place_rounding_once(dtype, rows: int, extra:
     assert bool(jnp.all(whole[v:] == acc[v:]))  # the rows past g's columns are left as they were
     got = whole[:v].astype(jnp.float32)
     # one rounding of the float32 sum: half a unit in the last place, plus float32's own sum order
-    half_ulp = 2.0 ** (-8 if dtype == jnp.bfloat16 else -11)
+    half_ulp = {jnp.bfloat16: 2.0**-8, jnp.float16: 2.0**-11, jnp.float32: 2.0**-24}[acc_dtype]
     assert bool(jnp.all(jnp.abs(got - exact) <= half_ulp * jnp.abs(exact) + 1e-4))
-    xla = (acc[:v] + jnp.dot(g.T, x, preferred_element_type=jnp.float32).astype(dtype)).astype(jnp.float32)
-    assert float(jnp.linalg.norm(got - exact)) <= float(jnp.linalg.norm(xla - exact))  # one rounding, not two
+    if acc_dtype != jnp.float32:
+        xla = (acc[:v] + jnp.dot(g.T, x, preferred_element_type=jnp.float32).astype(acc_dtype)).astype(jnp.float32)
+        assert float(jnp.linalg.norm(got - exact)) <= float(jnp.linalg.norm(xla - exact))  # one rounding, not two
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

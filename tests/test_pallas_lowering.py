@@ -159,10 +159,11 @@ def test_on_a_gpu_the_default_paths_never_take_the_triton_lowering(monkeypatch, 
         assert auto.name == "xla" and (pallas.phases, pallas.mosaic_phases) == (pallas_triton, None)
 
 
-def test_grad_weight_kernel_lowers_and_adds_in_place() -> None:
+@pytest.mark.parametrize("acc_dtype", [jnp.bfloat16, jnp.float32])
+def test_grad_weight_kernel_lowers_and_adds_in_place(acc_dtype) -> None:
     from jax_kl.backends import mosaic_accumulate
 
-    acc = jax.ShapeDtypeStruct((384, 512), jnp.bfloat16)
+    acc = jax.ShapeDtypeStruct((384, 512), acc_dtype)
     g = jax.ShapeDtypeStruct((192, 384), jnp.bfloat16)
     x = jax.ShapeDtypeStruct((192, 512), jnp.bfloat16)
     text = jax.jit(mosaic_accumulate.accumulate).trace(acc, g, x).lower(lowering_platforms=("cuda",)).as_text()
@@ -178,7 +179,8 @@ def test_grad_weight_kernel_takes_only_whole_tiles_of_one_16_bit_dtype() -> None
         return mosaic_accumulate.fits(acc, jnp.zeros((rows, v), dtype), jnp.zeros((rows, h), dtype))
 
     assert fits() and fits(dtype=jnp.float16)
-    assert not fits(acc_dtype=jnp.float32)  # accum_dtype=float32 keeps XLA's GEMM
+    assert fits(acc_dtype=jnp.float32) and fits(dtype=jnp.float16, acc_dtype=jnp.float32)  # accum_dtype=float32
+    assert not fits(acc_dtype=jnp.float16) and not fits(dtype=jnp.float16, acc_dtype=jnp.bfloat16)
     assert not fits(dtype=jnp.float32)
     assert fits(rows=200)  # a partial last slice of rows: the TMA reads zeros past the chunk
     assert not fits(rows=233)  # not a whole number of the operands' 8-row tiles

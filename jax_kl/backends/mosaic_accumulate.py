@@ -1,6 +1,7 @@
 """The ``grad_weight`` GEMM of a chunk as a Mosaic GPU kernel that adds into its accumulator in
 place: ``acc[V, H] <- acc + gᵀ x`` for the chunk's ``dL/dz`` ``g [rows, V]`` and inputs
-``x [rows, H]``, the sum taken in float32 and rounded once to ``acc``'s dtype.
+``x [rows, H]``, the sum taken in float32 and rounded once to ``acc``'s dtype (the operands'
+16-bit dtype, or float32: ``accum_dtype=float32``).
 
 Why: XLA folds ``acc + dot(g, x)`` into one GEMM (cuBLAS's beta = 1) only with its Triton GEMMs
 off; otherwise every chunk after the first costs a ``[V, H]`` product buffer and an add pass
@@ -15,9 +16,10 @@ through shared memory and two compute warpgroups each multiply one ``128 x 128``
 ``g``'s slice read transposed (``[64, 128]`` in memory, ``[128, 64]`` to the tensor cores).
 The chunk's columns and ``H`` must be whole numbers of output tiles (:func:`fits`); the driver
 uses XLA's add elsewhere. The accumulator may have more rows than the chunk has columns: its tiles
-move through shared memory in ``[128, 64]`` slices, one 128-byte swizzle row each, tiled
-``(1, 64)``: the same bytes as the operands' ``(8, 64)`` tiling, but a tiling that asks nothing
-of the accumulator's row count, where ``(8, 64)`` needs it a multiple of 8.
+move through shared memory in slices of one 128-byte swizzle row (``[128, 64]`` 16-bit, ``[128,
+32]`` float32), tiled ``(1, cols)``: the same bytes as an ``(8, cols)`` tiling, but a tiling that
+asks nothing of the accumulator's row count, where ``(8, cols)`` needs it a multiple of 8. A
+float32 accumulator's tile takes twice the shared memory, so its pipeline has one stage fewer.
 
 ``torch_kl`` needs no counterpart: ``torch.addmm`` into the accumulator is cuBLAS's beta = 1 GEMM.
 """
@@ -36,22 +38,23 @@ from .pallas_mosaic import H100_SMS, unchecked_vma
 
 TILE_M, TILE_N, TILE_K = 128, 128, 64  # one compute warpgroup's output tile; the slice of rows per step
 CTA_M, CTA_N = TILE_M, 2 * TILE_N  # one program's output tile: the two warpgroups side by side along H
-STAGES = 3  # 3 x 48 KiB of operands + the 64 KiB accumulator tile fit in 227 KiB of shared memory
-SLICE_COLS = 64  # the accumulator tile's slices: 64 16-bit columns, one 128-byte swizzle row
+# Operand stages by the accumulator's bytes per element: 3 x 48 KiB of operands with the 64 KiB
+# 16-bit accumulator tile, 2 x 48 KiB with the 128 KiB float32 tile, in 227 KiB of shared memory.
+STAGES = {2: 3, 4: 2}
+SLICE_BYTES = 128  # the accumulator tile's slices: one 128-byte swizzle row
 DELAY = 0  # each step's MMA waited for before its slot is released: 5 % faster alone than one in flight
-SLICES = TILE_N // SLICE_COLS
 SNAKE_WIDTH, SNAKE_MINOR = 4, 1  # bands of 4 tiles along V walked along H first (L2 reuse)
 NAME = "fused_kl_grad_weight_mosaic"
 
 
 def fits(acc: jax.Array, g: jax.Array, x: jax.Array) -> bool:
-    """Whether this kernel can add ``gᵀ x`` into the first rows of ``acc``: 16-bit operands and
-    accumulator of one dtype (a float32 accumulator keeps XLA's GEMM), ``g``'s columns and ``H``
+    """Whether this kernel can add ``gᵀ x`` into the first rows of ``acc``: 16-bit operands of
+    one dtype, the accumulator in theirs or in float32, ``g``'s columns and ``H``
     whole numbers of output tiles, at least as many accumulator rows as ``g`` has columns, the
     chunk's rows a multiple of the operands' 8-row tiling (the TMA reads zeros past the last
     64-row slice, not past a partial 8-row tile)."""
     (rows, v), h = g.shape, x.shape[1]
-    same = acc.dtype == g.dtype == x.dtype and g.dtype in (jnp.bfloat16, jnp.float16)
+    same = g.dtype == x.dtype and g.dtype in (jnp.bfloat16, jnp.float16) and acc.dtype in (g.dtype, jnp.float32)
     tiled = v % CTA_M == 0 and h % CTA_N == 0 and rows % 8 == 0
     return same and tiled and acc.shape[0] >= v and acc.shape[1] == h and x.shape[0] == rows
 
@@ -67,11 +70,15 @@ def _transforms(dtype, minor: int) -> tuple:
     return plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle)
 
 
-def _slice_transforms() -> tuple:
-    """An accumulator slice's layout: 128-byte swizzled rows, tiled ``(1, 64)`` (see the module
-    docstring: ``(8, 64)`` would lay out the same bytes but need the accumulator's rows a
+def _slice_cols(dtype) -> int:
+    return SLICE_BYTES // jnp.dtype(dtype).itemsize
+
+
+def _slice_transforms(dtype) -> tuple:
+    """An accumulator slice's layout: 128-byte swizzled rows, tiled ``(1, cols)`` (see the module
+    docstring: ``(8, cols)`` would lay out the same bytes but need the accumulator's rows a
     multiple of 8)."""
-    return plgpu.TilingTransform((1, SLICE_COLS)), plgpu.SwizzleTransform(128)
+    return plgpu.TilingTransform((1, _slice_cols(dtype))), plgpu.SwizzleTransform(SLICE_BYTES)
 
 
 def _operand(cols: int, dtype) -> plgpu.BlockSpec:
@@ -85,6 +92,8 @@ def _body(g_gmem, x_gmem, acc_gmem):
     rows, v = g_gmem.shape
     h = x_gmem.shape[1]
     m_iters, n_iters = v // CTA_M, h // CTA_N
+    cols = _slice_cols(acc_gmem.dtype)
+    slices = TILE_N // cols
 
     def pipeline(mma, context):
         return plgpu.emit_pipeline_warp_specialized(
@@ -94,7 +103,7 @@ def _body(g_gmem, x_gmem, acc_gmem):
             in_specs=[_operand(CTA_M, g_gmem.dtype), _operand(CTA_N, x_gmem.dtype)],
             wg_axis="wg",
             num_compute_wgs=2,
-            max_concurrent_steps=STAGES,
+            max_concurrent_steps=STAGES[jnp.dtype(acc_gmem.dtype).itemsize],
             compute_context=context,
         )
 
@@ -103,8 +112,8 @@ def _body(g_gmem, x_gmem, acc_gmem):
     @functools.partial(
         pl.run_scoped,
         allocations=pipeline(ignore, ignore).get_allocations(g_gmem, x_gmem),
-        acc_smem=plgpu.SMEM((2, SLICES, TILE_M, SLICE_COLS), acc_gmem.dtype, transforms=_slice_transforms()),
-        loaded=plgpu.Barrier(num_barriers=2 * SLICES),
+        acc_smem=plgpu.SMEM((2, slices, TILE_M, cols), acc_gmem.dtype, transforms=_slice_transforms(acc_gmem.dtype)),
+        loaded=plgpu.Barrier(num_barriers=2 * slices),
         collective_axes="wg",
     )
     def scoped(allocations, acc_smem, loaded):
@@ -117,9 +126,9 @@ def _body(g_gmem, x_gmem, acc_gmem):
             m_slice, n_slice = pl.ds(mi * CTA_M, CTA_M), pl.ds(ni * CTA_N, CTA_N)
             half = pl.ds(wg * TILE_N, TILE_N)
             out = acc_gmem.at[m_slice, n_slice].at[:, half]
-            outs = [out.at[:, pl.ds(j * SLICE_COLS, SLICE_COLS)] for j in range(SLICES)]
-            mine = [acc_smem.at[wg, j] for j in range(SLICES)]
-            arrived = [loaded.at[wg * SLICES + j] for j in range(SLICES)]
+            outs = [out.at[:, pl.ds(j * cols, cols)] for j in range(slices)]
+            mine = [acc_smem.at[wg, j] for j in range(slices)]
+            arrived = [loaded.at[wg * slices + j] for j in range(slices)]
 
             def context(run_main_loop):
                 @functools.partial(pl.run_scoped, product=plgpu.ACC((TILE_M, TILE_N), jnp.float32))
@@ -131,7 +140,7 @@ def _body(g_gmem, x_gmem, acc_gmem):
                     run_main_loop(product)
                     total = product[...]
                     for j, (dst, barrier) in enumerate(zip(mine, arrived, strict=True)):
-                        part = total[:, j * SLICE_COLS : (j + 1) * SLICE_COLS]
+                        part = total[:, j * cols : (j + 1) * cols]
                         plgpu.barrier_wait(barrier)
                         part = dst[...].astype(jnp.float32) + part
                         dst[...] = part.astype(dst.dtype)
@@ -163,4 +172,3 @@ def accumulate(acc: jax.Array, g: jax.Array, x: jax.Array) -> jax.Array:
     with unchecked_vma():
         _kernel()(g, x, ref)
     return jax.freeze(ref)
-
