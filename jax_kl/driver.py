@@ -123,7 +123,7 @@ def forward(
 
     total = jnp.sum(rowmath.nan_rows(invalid, jnp.concatenate(row_losses), jnp)) if row_losses else jnp.float32(0.0)
     rows = rowmath.nan_rows(invalid, jnp.concatenate(own_losses), jnp) if own_losses else jnp.zeros((0,), jnp.float32)
-    grad_w = None if grad_ws is None else gemm.join(grad_ws, one_array)
+    grad_w = None if grad_ws is None else gemm.join(grad_ws, one_array, backend.in_place_grad_weight)
     if labels:
         together = LabelTerm(*(jnp.concatenate(column) for column in zip(*labels, strict=True)))
         grad_w = gemm.add_label_rows(grad_w, x, together)  # type: ignore[arg-type]

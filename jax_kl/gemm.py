@@ -77,8 +77,9 @@ def single_array(
 ) -> bool:
     """Whether an unaligned vocabulary's ``grad_weight`` is one ``[V, H]`` array from the first
     chunk on: where ``in_place`` takes the aligned part of every chunk (``bounds``, the chunks' row
-    ranges). The rest's rows are then summed apart in float32 and put into their rows once after
-    the last chunk (:func:`join`): no copy joins the parts' accumulators, for one zero fill. A
+    ranges). The rest's rows are then summed apart in float32 and written into their rows once
+    after the last chunk (:func:`join`): no copy joins the parts' accumulators, nothing fills the
+    array with zeros, no pass reads it whole. A
     slice of that array updated after every chunk's in-place call instead fails XLA's GPU
     compiler (dynamic-slice fusion, jax 0.11) at some shapes."""
     if len(parts) < 2 or in_place is None:
@@ -99,19 +100,21 @@ def accumulate(
     one_array: bool = False,
 ) -> tuple[jax.Array, ...]:
     """``grad_weight``'s accumulators (``dtype``) with the chunk's ``gᵀ x`` added. With
-    ``one_array`` (:func:`single_array`): ``([V, H], the rest's float32 rows)``, the first chunk's
-    ``[V, H]`` zeros, every chunk's aligned part added in place into its first rows. Else one
+    ``one_array`` (:func:`single_array`): ``([V, H], the rest's float32 rows)``, the ``[V, H]`` array
+    made by the first chunk's kernel (``in_place.product``: its aligned rows, the rest's left for
+    :func:`join`), every later chunk's aligned part added in place into them. Else one
     accumulator a part, the first chunk's written by its GEMM (no zero fill), :func:`join` makes
     them one. XLA (0.11, H200) folds the add into the GEMM (beta = 1) only with its Triton GEMMs
     off (``xla_gpu_enable_triton_gemm=False``, docs/choosing.md); otherwise each chunk after the
     first costs a product buffer and an add pass (docs/design-notes.md, GEMMs). Hence the in-place
     kernel of the Mosaic GPU backends (``in_place``), where it fits a part's accumulator."""
     if one_array:
-        v = sum(g.shape[1] for g in gs)
-        whole, rest = (jnp.zeros((v, xc.shape[1]), dtype), None) if accs is None else accs
-        assert in_place is not None and in_place.fits(whole, gs[0], xc), "single_array promised the in-place add"
+        assert in_place is not None, "single_array promised the in-place add"
         product = dot(gs[1], xc, (0, 0), jnp.float32)
-        return in_place.accumulate(whole, gs[0], xc), product if rest is None else rest + product
+        if accs is None:  # the first chunk writes the aligned rows; join writes the rest's
+            return in_place.product(gs[0], xc, sum(g.shape[1] for g in gs), dtype), product
+        whole, rest = accs
+        return in_place.accumulate(whole, gs[0], xc), rest + product
     if accs is None:
         return tuple(dot(g, xc, (0, 0), dtype) for g in gs)
     out = []
@@ -123,17 +126,17 @@ def accumulate(
     return tuple(out)
 
 
-def join(accs: tuple[jax.Array, ...], one_array: bool = False) -> jax.Array:
+def join(accs: tuple[jax.Array, ...], one_array: bool = False, in_place: ModuleType | None = None) -> jax.Array:
     """The ``[V, H]`` ``grad_weight`` from :func:`accumulate`'s accumulators: with ``one_array``, the
-    rest's rows put into the last rows of the first; else the parts' concatenated (a copy
+    rest's rows written into the last rows of the first by ``in_place``; else the parts' concatenated (a copy
     where there are several)."""
     if one_array:
-        # A select, one pass over the array: a dynamic_update_slice whose target is the in-place
-        # kernel's output fails XLA's GPU compiler in some modes (dynamic-slice fusion, jax 0.11).
+        # The in-place kernel's own row writer: a dynamic_update_slice whose target is that kernel's
+        # output fails XLA's GPU compiler in some modes (dynamic-slice fusion, jax 0.11), and a
+        # select would pass over the whole array.
+        assert in_place is not None, "single_array promised the in-place add"
         whole, rest = accs
-        start = whole.shape[0] - rest.shape[0]
-        rest_rows = lax.broadcasted_iota(jnp.int32, whole.shape, 0) >= start
-        return jnp.where(rest_rows, jnp.pad(rest.astype(whole.dtype), ((start, 0), (0, 0))), whole)
+        return in_place.put_rows(whole, rest.astype(whole.dtype))
     return accs[0] if len(accs) == 1 else jnp.concatenate(accs)
 
 

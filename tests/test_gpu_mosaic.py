@@ -124,6 +124,31 @@ def test_grad_weight_kernel_adds_in_place_rounding_once(dtype, acc_dtype, rows: 
         assert float(jnp.linalg.norm(got - exact)) <= float(jnp.linalg.norm(xla - exact))  # one rounding, not two
 
 
+@pytest.mark.parametrize("extra", [1, 77, 128])  # an unaligned vocabulary's rest: 1 to 128 rows
+@pytest.mark.parametrize("acc_dtype", [jnp.bfloat16, jnp.float32])
+def test_grad_weight_kernel_makes_the_array_and_the_row_writer_finishes_it(acc_dtype, extra: int) -> None:
+    """``product`` writes ``gᵀ x`` rounded once into a new array's first rows; ``put_rows`` writes
+    the last rows over it and leaves the others as they were."""
+    from jax_kl.backends import mosaic_accumulate
+
+    rows, v, h = 200, 384, 512
+    k = jax.random.split(jax.random.key(1), 3)
+    g = (jax.random.normal(k[0], (rows, v)) * 0.1).astype(jnp.bfloat16)
+    x = jax.random.normal(k[1], (rows, h)).astype(jnp.bfloat16)
+    rest = jax.random.normal(k[2], (extra, h)).astype(acc_dtype)
+    exact = jnp.dot(g.astype(jnp.float32).T, x.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+
+    def made(g, x, rest):
+        return mosaic_accumulate.put_rows(mosaic_accumulate.product(g, x, v + extra, acc_dtype), rest)
+
+    whole = jax.jit(made)(g, x, rest)
+    assert whole.shape == (v + extra, h) and whole.dtype == acc_dtype
+    assert bool(jnp.all(whole[v:] == rest))
+    half_ulp = {jnp.bfloat16: 2.0**-8, jnp.float32: 2.0**-24}[acc_dtype]
+    got = whole[:v].astype(jnp.float32)
+    assert bool(jnp.all(jnp.abs(got - exact) <= half_ulp * jnp.abs(exact) + 1e-4))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("name", ["forward", "jsd-hard-T"])
 def test_chunks_add_grad_weight_in_place_like_xla(name: str, dtype: torch.dtype) -> None:

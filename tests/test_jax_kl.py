@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import replace
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -304,7 +305,9 @@ def test_a_chunk_in_vocabulary_parts_gives_the_whole_chunks_results(backend: str
 
 class _AddInPlace:
     """A stand-in for ``mosaic_accumulate`` (which runs on Hopper only): any operands fit; adds
-    ``gᵀ x`` into the accumulator's first rows."""
+    ``gᵀ x`` into the accumulator's first rows. ``calls`` names its functions as they are traced."""
+
+    calls: ClassVar[list[str]] = []
 
     @staticmethod
     def fits(acc, g, x) -> bool:
@@ -312,15 +315,29 @@ class _AddInPlace:
 
     @staticmethod
     def accumulate(acc: jax.Array, g: jax.Array, x: jax.Array) -> jax.Array:
+        _AddInPlace.calls.append("accumulate")
         product = jnp.dot(g.T, x, precision="highest", preferred_element_type=jnp.float32)
         return acc.at[: g.shape[1]].add(product.astype(acc.dtype))
+
+    @staticmethod
+    def product(g: jax.Array, x: jax.Array, rows: int, dtype) -> jax.Array:
+        """The kernel leaves the rows past ``g``'s columns unwritten: NaN here, so a result that
+        read them would show it."""
+        _AddInPlace.calls.append("product")
+        product = jnp.dot(g.T, x, precision="highest", preferred_element_type=jnp.float32).astype(dtype)
+        return jnp.full((rows, x.shape[1]), jnp.nan, dtype).at[: g.shape[1]].set(product)
+
+    @staticmethod
+    def put_rows(acc: jax.Array, rows: jax.Array) -> jax.Array:
+        _AddInPlace.calls.append("put_rows")
+        return acc.at[acc.shape[0] - rows.shape[0] :].set(rows)
 
 
 @pytest.mark.parametrize("case", ["cross_entropy", "forward", "teacher_head"])
 def test_grad_weight_in_one_array_where_the_in_place_add_takes_every_aligned_part(case: str) -> None:
     """``jax_kl.gemm.single_array``: with an in-place add that takes every chunk's aligned part,
     ``grad_weight`` at V = 300 is one array (the aligned rows added in place, the rest's 44 rows
-    summed apart and selected into it after the last chunk); the results are the one-part chunk's."""
+    summed apart and written into it after the last chunk); the results are the one-part chunk's."""
     fmt, options = VOCAB_PART_CASES[case]
     options = dict(options)
     bias = options.pop("bias", False)
@@ -348,5 +365,9 @@ def test_grad_weight_in_one_array_where_the_in_place_add_takes_every_aligned_par
         made = [line for line in lines if "f32[300,8] =" in line]
         return sum("concatenate" in line for line in made), sum("select_n" in line for line in made)
 
-    assert grad_weight_ops(resolved) == (0, 1)  # the rest's rows selected into the one array
+    _AddInPlace.calls.clear()
+    assert grad_weight_ops(resolved) == (0, 0)  # no copy joins the parts, no select writes the rest's rows
+    # 12 rows in chunks of 5: the first chunk's product makes the array, the others add into it,
+    # and the rest's 44 rows are written into it once
+    assert _AddInPlace.calls == ["product", "accumulate", "accumulate", "put_rows"]
     assert grad_weight_ops(replace(resolved, in_place_grad_weight=None)) == (1, 0)  # the parts joined

@@ -261,22 +261,51 @@ def _mosaic_calls(backend, n: int, h: int, v: int, probs: bool = False) -> tuple
 
 
 def test_an_unaligned_vocabulary_keeps_grad_weight_in_one_array_where_the_in_place_add_runs() -> None:
-    """At V = 8291 with the in-place kernel, ``grad_weight`` is one ``[V, H]`` array: zeros, every
-    chunk's aligned part added in place into its first rows, the rest's 99 rows selected into it
-    once after the last chunk, and no copy joins parts; without the kernel each part keeps its own
+    """At V = 8291 with the in-place kernel, ``grad_weight`` is one ``[V, H]`` array: the first
+    chunk's kernel makes it, the other chunks' add their aligned part into its first rows in place,
+    the rest's 99 rows are written into it once after the last chunk by the row writer, and no
+    copy, select or zero fill of the whole array runs; without the kernel each part keeps its own
     accumulator and one copy joins them; a last chunk the kernel cannot take, the latter."""
 
-    def count(backend) -> tuple[int, int]:
+    def count(backend) -> tuple[int, int, int, int]:
         lines = _grad_weight_lowering(backend, 1024, 256, 8291).splitlines()
-        joins = sum("stablehlo.concatenate" in line and "tensor<8291x256xbf16>" in line for line in lines)
-        writes = sum("stablehlo.select" in line and "tensor<8291x256xbf16>" in line for line in lines)
-        return joins, writes
+        whole = [line for line in lines if "tensor<8291x256xbf16>" in line]
+        joins = sum("stablehlo.concatenate" in line or "stablehlo.select" in line for line in whole)
+        zeros = sum("stablehlo.broadcast_in_dim" in line for line in whole)
+        made = sum("custom_call @mosaic_gpu" in line for line in whole)
+        written = sum("custom_call @mosaic_gpu" in line and "operand_index" in line for line in whole)
+        return joins, zeros, made, written
 
-    assert count(_as_on_hopper()) == (0, 1)
-    assert count(_as_on_hopper(in_place_grad_weight=None)) == (1, 0)
+    # 4 chunks: one kernel makes the array, three add into it, the row writer puts the rest in
+    assert count(_as_on_hopper()) == (0, 0, 1 + 3 + 1, 3 + 1)
+    assert count(_as_on_hopper(in_place_grad_weight=None))[:2] == (1, 0)
     # a last chunk the in-place add cannot take (233 rows): the parts' accumulators again
     lines = _grad_weight_lowering(_as_on_hopper(), 1001, 256, 8291).splitlines()
     assert sum("stablehlo.concatenate" in line and "tensor<8291x256xbf16>" in line for line in lines) == 1
+
+
+@pytest.mark.parametrize("acc_dtype", [jnp.bfloat16, jnp.float32])
+def test_grad_weight_kernel_makes_a_fresh_array_and_writes_the_last_rows_in_place(acc_dtype) -> None:
+    """``mosaic_accumulate.product`` makes a new array (no input aliased); ``put_rows`` writes
+    over its accumulator (the output aliases it) and refuses rows it was not made for."""
+    from jax_kl.backends import mosaic_accumulate
+
+    g, x = jax.ShapeDtypeStruct((192, 384), jnp.bfloat16), jax.ShapeDtypeStruct((192, 512), jnp.bfloat16)
+    made = (
+        jax.jit(mosaic_accumulate.product, static_argnums=(2, 3))
+        .trace(g, x, 431, acc_dtype)
+        .lower(lowering_platforms=("cuda",))
+    )
+    calls = [line for line in made.as_text().splitlines() if "custom_call @mosaic_gpu" in line]
+    assert len(calls) == 1 and "operand_index" not in calls[0]
+    assert made.out_info.shape == (431, 512) and made.out_info.dtype == acc_dtype
+    acc, rows = jax.ShapeDtypeStruct((431, 512), acc_dtype), jax.ShapeDtypeStruct((47, 512), acc_dtype)
+    text = jax.jit(mosaic_accumulate.put_rows).trace(acc, rows).lower(lowering_platforms=("cuda",)).as_text()
+    calls = [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
+    assert len(calls) == 1 and "operand_index = 1" in calls[0]
+    for bad in [(129, 512), (47, 256)]:
+        with pytest.raises(ValueError, match=r"^rows: "):
+            mosaic_accumulate.put_rows(jnp.zeros((431, 512), acc_dtype), jnp.zeros(bad, acc_dtype))
 
 
 def test_a_last_chunk_of_odd_rows_keeps_xla_s_add() -> None:
@@ -289,7 +318,8 @@ def test_a_last_chunk_of_odd_rows_keeps_xla_s_add() -> None:
 def test_vocabulary_parts_split_where_the_in_place_add_takes_the_aligned_part() -> None:
     """``jax_kl.gemm.vocab_parts`` splits at a multiple of ``mosaic_accumulate``'s row tile; at
     V = 8291 the aligned part's row phases and ``grad_weight`` GEMM lower to Mosaic GPU kernels:
-    every chunk adds into the accumulator's aligned rows in place."""
+    the first chunk's kernel makes the accumulator, every later one adds into its aligned rows in
+    place, and the row writer puts the rest's rows in."""
     from jax_kl import gemm
     from jax_kl.backends import mosaic_accumulate
 
@@ -298,8 +328,9 @@ def test_vocabulary_parts_split_where_the_in_place_add_takes_the_aligned_part() 
     assert [(p.start, p.stop) for p in gemm.vocab_parts(300, False)] == [(0, 300)]
     assert [(p.start, p.stop) for p in gemm.vocab_parts(256, True)] == [(0, 256)]
     assert [(p.start, p.stop) for p in gemm.vocab_parts(100, True)] == [(0, 100)]
-    # every chunk's aligned part: stats and finish on Mosaic GPU, its grad_weight added in place
-    assert _mosaic_calls(_as_on_hopper(), 1024, 256, 8291) == (4 * 3, 4)
+    # every chunk's aligned part: stats, finish and its grad_weight GEMM on Mosaic GPU (the first
+    # making the array, the three after it adding in place), and the row writer
+    assert _mosaic_calls(_as_on_hopper(), 1024, 256, 8291) == (4 * 3 + 1, 3)
     assert _mosaic_calls(_as_on_hopper(vocab_parts=False), 1024, 256, 8291) == (0, 0)  # one part: all on XLA
     # a dense teacher's aligned columns go with the aligned part: its stats and finish too
-    assert _mosaic_calls(_as_on_hopper(), 1024, 256, 8291, probs=True) == (4 * 3, 4)
+    assert _mosaic_calls(_as_on_hopper(), 1024, 256, 8291, probs=True) == (4 * 3 + 1, 3)

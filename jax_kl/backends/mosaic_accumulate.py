@@ -88,7 +88,8 @@ def _operand(cols: int, dtype) -> plgpu.BlockSpec:
     return plgpu.BlockSpec((TILE_K, cols), lambda k: (k, 0), transforms=transforms, delay_release=DELAY)
 
 
-def _body(g_gmem, x_gmem, acc_gmem):
+def _body(g_gmem, x_gmem, acc_gmem, add: bool = True):
+    """The tile loop; with ``add`` false the tiles are written as they are (:func:`product`)."""
     rows, v = g_gmem.shape
     h = x_gmem.shape[1]
     m_iters, n_iters = v // CTA_M, h // CTA_N
@@ -134,15 +135,16 @@ def _body(g_gmem, x_gmem, acc_gmem):
                 @functools.partial(pl.run_scoped, product=plgpu.ACC((TILE_M, TILE_N), jnp.float32))
                 def accumulate(product):
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's store has left
-                    # the tile's accumulator slices load while the main loop runs
-                    for src, dst, barrier in zip(outs, mine, arrived, strict=True):
-                        plgpu.copy_gmem_to_smem(src, dst, barrier)
+                    if add:  # the tile's accumulator slices load while the main loop runs
+                        for src, dst, barrier in zip(outs, mine, arrived, strict=True):
+                            plgpu.copy_gmem_to_smem(src, dst, barrier)
                     run_main_loop(product)
                     total = product[...]
                     for j, (dst, barrier) in enumerate(zip(mine, arrived, strict=True)):
                         part = total[:, j * cols : (j + 1) * cols]
-                        plgpu.barrier_wait(barrier)
-                        part = dst[...].astype(jnp.float32) + part
+                        if add:
+                            plgpu.barrier_wait(barrier)
+                            part = dst[...].astype(jnp.float32) + part
                         dst[...] = part.astype(dst.dtype)
                     plgpu.commit_smem()
                     for src, dst in zip(mine, outs, strict=True):
@@ -159,10 +161,12 @@ def _body(g_gmem, x_gmem, acc_gmem):
     plgpu.wait_smem_to_gmem(0)
 
 
-def _kernel():
+def _kernel(out_type: jax.ShapeDtypeStruct | None = None):
+    """The in-place add; with ``out_type``, the product into a fresh array of that shape."""
     mesh = plgpu.Mesh(grid=(_sms(),), grid_names=("sm",), num_threads=3, thread_name="wg", kernel_name=NAME)
     params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
-    return pl.kernel(_body, out_type=(), mesh=mesh, compiler_params=params, name=NAME)
+    body = _body if out_type is None else functools.partial(_body, add=False)
+    return pl.kernel(body, out_type=out_type or (), mesh=mesh, compiler_params=params, name=NAME)
 
 
 def accumulate(acc: jax.Array, g: jax.Array, x: jax.Array) -> jax.Array:
@@ -171,4 +175,46 @@ def accumulate(acc: jax.Array, g: jax.Array, x: jax.Array) -> jax.Array:
     ref = jax.new_ref(acc)
     with unchecked_vma():
         _kernel()(g, x, ref)
+    return jax.freeze(ref)
+
+
+def product(g: jax.Array, x: jax.Array, rows: int, dtype) -> jax.Array:
+    """A new ``[rows, H]`` array of ``dtype`` whose first ``g.shape[1]`` rows are ``gᵀ x``, rounded
+    once; its rows past those are left unwritten, for :func:`put_rows`. The first chunk's call at an
+    unaligned vocabulary: no zero fill of the array its successors add into. Needs :func:`fits` of
+    such an array."""
+    with unchecked_vma():
+        return _kernel(jax.ShapeDtypeStruct((rows, x.shape[1]), dtype))(g, x)
+
+
+def _put_body(rows_gmem, acc_gmem):
+    """One program a slice of columns: the rows go through shared memory into the accumulator's
+    last rows (the TMA moves any row count with the ``(1, cols)`` tiling)."""
+    r = rows_gmem.shape[0]
+    cols = _slice_cols(acc_gmem.dtype)
+    columns = pl.ds(lax.axis_index("c") * cols, cols)
+    start = acc_gmem.shape[0] - r
+
+    @functools.partial(
+        pl.run_scoped,
+        smem=plgpu.SMEM((r, cols), acc_gmem.dtype, transforms=_slice_transforms(acc_gmem.dtype)),
+        loaded=plgpu.Barrier(num_barriers=1),
+    )
+    def scoped(smem, loaded):
+        plgpu.copy_gmem_to_smem(rows_gmem.at[:, columns], smem, loaded)
+        plgpu.barrier_wait(loaded)
+        plgpu.copy_smem_to_gmem(smem, acc_gmem.at[pl.ds(start, r), columns])
+        plgpu.wait_smem_to_gmem(0)
+
+
+def put_rows(acc: jax.Array, rows: jax.Array) -> jax.Array:
+    """``acc`` with its last ``rows.shape[0]`` rows replaced by ``rows`` (its dtype, at most
+    ``CTA_M`` of them), written over ``acc``: an unaligned vocabulary's rest joins the array
+    without a pass over the whole of it."""
+    if rows.dtype != acc.dtype or rows.shape[1] != acc.shape[1] or not 0 < rows.shape[0] <= CTA_M:
+        raise ValueError(f"rows: expected at most {CTA_M} rows of {acc.dtype} {acc.shape[1]} wide, got {rows.shape}")
+    mesh = plgpu.Mesh(grid=(acc.shape[1] // _slice_cols(acc.dtype),), grid_names=("c",), kernel_name=NAME + "_rows")
+    ref = jax.new_ref(acc)
+    with unchecked_vma():
+        pl.kernel(_put_body, out_type=(), mesh=mesh, name=NAME + "_rows")(rows, ref)
     return jax.freeze(ref)
