@@ -203,6 +203,7 @@ def _put_body(rows_gmem, acc_gmem):
     def scoped(smem, loaded):
         plgpu.copy_gmem_to_smem(rows_gmem.at[:, columns], smem, loaded)
         plgpu.barrier_wait(loaded)
+        plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(smem, acc_gmem.at[pl.ds(start, r), columns])
         plgpu.wait_smem_to_gmem(0)
 
