@@ -83,7 +83,8 @@ class Backend(NamedByEntry):
     ``mosaic_phases``: the Mosaic GPU row phases, run instead where a chunk fits them
     (:meth:`chunk_phases`), or None;
     ``in_place_grad_weight``: the module whose ``accumulate(acc, g, x)`` adds ``gᵀ x`` into
-    ``acc`` in place where its ``fits`` says so (``mosaic_accumulate``), or None where the add
+    ``acc`` in place where its ``fits`` says so (``mosaic_accumulate``; its ``product`` and
+    ``put_rows`` make and finish an unaligned vocabulary's one array), or None where the add
     is left to XLA;
     ``vocab_parts``: at a vocabulary (slice) not a multiple of 128, a chunk (and its dense
     teacher) is made as its aligned columns and the rest (``jax_kl.gemm.vocab_parts``), so that
