@@ -205,7 +205,7 @@ def test_xla_flags_that_fold_the_add_leave_it_to_xla(monkeypatch, flags: str, fo
 def test_in_place_kernels_lower_inside_shard_map() -> None:
     """The layouts run the kernels inside ``shard_map``, whose varying-axes check the row
     kernels' outputs would fail: they run with it off, as ``plgpu.kernel`` does; the in-place
-    outputs keep their aliases there."""
+    outputs keep their aliases there, the row writer's too."""
     from jax.sharding import Mesh
     from jax.sharding import PartitionSpec as P
 
@@ -227,6 +227,16 @@ def test_in_place_kernels_lower_inside_shard_map() -> None:
     calls = [line for line in lines if "custom_call @mosaic_gpu" in line]
     assert len(calls) == 3  # stats, finish over the logits, the GEMM into the accumulator
     assert "operand_index = 0" in calls[1] and "operand_index = 2" in calls[2]
+
+    def made(g, x, rest):  # an unaligned vocabulary slice's one array: made, then finished
+        return mosaic_accumulate.put_rows(mosaic_accumulate.product(g, x, 389, bf16), rest)
+
+    f = jax.shard_map(made, mesh=mesh, in_specs=(P(), P(), P()), out_specs=P())
+    args = [jax.ShapeDtypeStruct((192, 384), bf16), jax.ShapeDtypeStruct((192, 512), bf16),
+            jax.ShapeDtypeStruct((5, 512), bf16)]  # fmt: skip
+    lines = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text().splitlines()
+    calls = [line for line in lines if "custom_call @mosaic_gpu" in line]
+    assert len(calls) == 2 and "operand_index = 1" in calls[1]
 
 
 def _as_on_hopper(**fields):
