@@ -38,7 +38,7 @@ def xla_add(acc: jax.Array, g: jax.Array, x: jax.Array) -> jax.Array:
     return acc + jnp.dot(g.T, x, preferred_element_type=jnp.float32).astype(acc.dtype)
 
 
-def kernel_error(acc_dtype, g: jax.Array, x: jax.Array, rows: int = 512) -> float:
+def kernel_error(acc_dtype: jnp.dtype, g: jax.Array, x: jax.Array, rows: int = 512) -> float:
     """The kernel's largest relative error against float32 arithmetic on ``rows`` rows of the chunk."""
     acc = jax.random.normal(jax.random.key(3), (V, H)).astype(acc_dtype)
     got = jax.jit(mosaic_accumulate.accumulate)(acc, g[:rows], x[:rows]).astype(jnp.float32)

@@ -330,6 +330,7 @@ class _AddInPlace:
     @staticmethod
     def put_rows(acc: jax.Array, rows: jax.Array) -> jax.Array:
         _AddInPlace.calls.append("put_rows")
+        assert 0 < rows.shape[0] <= 128, "the kernel writes at most CTA_M rows"
         return acc.at[acc.shape[0] - rows.shape[0] :].set(rows)
 
 

@@ -313,9 +313,13 @@ def test_grad_weight_kernel_makes_a_fresh_array_and_writes_the_last_rows_in_plac
     text = jax.jit(mosaic_accumulate.put_rows).trace(acc, rows).lower(lowering_platforms=("cuda",)).as_text()
     calls = [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
     assert len(calls) == 1 and "operand_index = 1" in calls[0]
-    for bad in [(129, 512), (47, 256)]:
+    bad = [((431, 512), (129, 512)), ((431, 512), (47, 256)), ((431, 512), (0, 512)), ((5, 512), (6, 512)),
+           ((431, 500), (47, 500))]  # fmt: skip
+    for acc_shape, rows_shape in bad:
         with pytest.raises(ValueError, match=r"^rows: "):
-            mosaic_accumulate.put_rows(jnp.zeros((431, 512), acc_dtype), jnp.zeros(bad, acc_dtype))
+            mosaic_accumulate.put_rows(jnp.zeros(acc_shape, acc_dtype), jnp.zeros(rows_shape, acc_dtype))
+    with pytest.raises(ValueError, match=r"^rows: "):  # another dtype
+        mosaic_accumulate.put_rows(jnp.zeros((431, 512), acc_dtype), jnp.zeros((47, 512), jnp.float16))
 
 
 def test_a_last_chunk_of_odd_rows_keeps_xla_s_add() -> None:

@@ -45,6 +45,7 @@ SLICE_BYTES = 128  # the accumulator tile's slices: one 128-byte swizzle row
 DELAY = 0  # each step's MMA waited for before its slot is released: 5 % faster alone than one in flight
 SNAKE_WIDTH, SNAKE_MINOR = 4, 1  # bands of 4 tiles along V walked along H first (L2 reuse)
 NAME = "fused_kl_grad_weight_mosaic"
+ROWS_NAME = "fused_kl_grad_weight_rows"  # put_rows's kernel
 
 
 def fits(acc: jax.Array, g: jax.Array, x: jax.Array) -> bool:
@@ -70,11 +71,11 @@ def _transforms(dtype, minor: int) -> tuple:
     return plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle)
 
 
-def _slice_cols(dtype) -> int:
+def _slice_cols(dtype: jnp.dtype) -> int:
     return SLICE_BYTES // jnp.dtype(dtype).itemsize
 
 
-def _slice_transforms(dtype) -> tuple:
+def _slice_transforms(dtype: jnp.dtype) -> tuple:
     """An accumulator slice's layout: 128-byte swizzled rows, tiled ``(1, cols)`` (see the module
     docstring: ``(8, cols)`` would lay out the same bytes but need the accumulator's rows a
     multiple of 8)."""
@@ -165,8 +166,8 @@ def _kernel(out_type: jax.ShapeDtypeStruct | None = None):
     """The in-place add; with ``out_type``, the product into a fresh array of that shape."""
     mesh = plgpu.Mesh(grid=(_sms(),), grid_names=("sm",), num_threads=3, thread_name="wg", kernel_name=NAME)
     params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
-    body = _body if out_type is None else functools.partial(_body, add=False)
-    return pl.kernel(body, out_type=out_type or (), mesh=mesh, compiler_params=params, name=NAME)
+    body, out = (_body, ()) if out_type is None else (functools.partial(_body, add=False), out_type)
+    return pl.kernel(body, out_type=out, mesh=mesh, compiler_params=params, name=NAME)
 
 
 def accumulate(acc: jax.Array, g: jax.Array, x: jax.Array) -> jax.Array:
@@ -178,16 +179,18 @@ def accumulate(acc: jax.Array, g: jax.Array, x: jax.Array) -> jax.Array:
     return jax.freeze(ref)
 
 
-def product(g: jax.Array, x: jax.Array, rows: int, dtype) -> jax.Array:
+def product(g: jax.Array, x: jax.Array, rows: int, dtype: jnp.dtype) -> jax.Array:
     """A new ``[rows, H]`` array of ``dtype`` whose first ``g.shape[1]`` rows are ``gᵀ x``, rounded
     once; its rows past those are left unwritten, for :func:`put_rows`. The first chunk's call at an
     unaligned vocabulary: no zero fill of the array its successors add into. Needs :func:`fits` of
     such an array."""
+    out = jax.ShapeDtypeStruct((rows, x.shape[1]), dtype)
+    assert fits(out, g, x), "product needs the in-place kernel's shapes (fits)"
     with unchecked_vma():
-        return _kernel(jax.ShapeDtypeStruct((rows, x.shape[1]), dtype))(g, x)
+        return _kernel(out)(g, x)
 
 
-def _put_body(rows_gmem, acc_gmem):
+def _put_body(rows_gmem, acc_gmem) -> None:
     """One program a slice of columns: the rows go through shared memory into the accumulator's
     last rows (the TMA moves any row count with the ``(1, cols)`` tiling)."""
     r = rows_gmem.shape[0]
@@ -212,10 +215,14 @@ def put_rows(acc: jax.Array, rows: jax.Array) -> jax.Array:
     """``acc`` with its last ``rows.shape[0]`` rows replaced by ``rows`` (its dtype, at most
     ``CTA_M`` of them), written over ``acc``: an unaligned vocabulary's rest joins the array
     without a pass over the whole of it."""
-    if rows.dtype != acc.dtype or rows.shape[1] != acc.shape[1] or not 0 < rows.shape[0] <= CTA_M:
-        raise ValueError(f"rows: expected at most {CTA_M} rows of {acc.dtype} {acc.shape[1]} wide, got {rows.shape}")
-    mesh = plgpu.Mesh(grid=(acc.shape[1] // _slice_cols(acc.dtype),), grid_names=("c",), kernel_name=NAME + "_rows")
+    r, (v, h), cols = rows.shape[0], acc.shape, _slice_cols(acc.dtype)
+    if rows.dtype != acc.dtype or rows.shape[1] != h or not 0 < r <= min(CTA_M, v) or h % cols:
+        raise ValueError(
+            f"rows: expected 1 to {min(CTA_M, v)} rows of {acc.dtype}, {h} wide (a multiple of {cols}),"
+            f" got {rows.dtype} {rows.shape}"
+        )
+    mesh = plgpu.Mesh(grid=(h // cols,), grid_names=("c",), kernel_name=ROWS_NAME)
     ref = jax.new_ref(acc)
     with unchecked_vma():
-        pl.kernel(_put_body, out_type=(), mesh=mesh, name=NAME + "_rows")(rows, ref)
+        pl.kernel(_put_body, out_type=(), mesh=mesh, name=ROWS_NAME)(rows, ref)
     return jax.freeze(ref)
