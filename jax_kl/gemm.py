@@ -114,6 +114,7 @@ def accumulate(
         if accs is None:  # the first chunk writes the aligned rows; join writes the rest's
             return in_place.product(gs[0], xc, sum(g.shape[1] for g in gs), dtype), product
         whole, rest = accs
+        assert in_place.fits(whole, gs[0], xc), "single_array promised the in-place add"
         return in_place.accumulate(whole, gs[0], xc), rest + product
     if accs is None:
         return tuple(dot(g, xc, (0, 0), dtype) for g in gs)
