@@ -6,9 +6,10 @@ place: ``acc[V, H] <- acc + gᵀ x`` for the chunk's ``dL/dz`` ``g [rows, V]`` a
 Why: XLA folds ``acc + dot(g, x)`` into one GEMM (cuBLAS's beta = 1) only with its Triton GEMMs
 off; otherwise every chunk after the first costs a ``[V, H]`` product buffer and an add pass
 that reads it and the accumulator (docs/design-notes.md, GEMMs). Here the accumulator goes in as a
-mutable ref (the kernel's output aliases it), and each output tile's slice of it is loaded by
-the tensor memory accelerator (TMA) while the tile's main loop runs, so the add costs one read
-and the write a GEMM makes anyway.
+mutable ref (the kernel's output aliases it). A 16-bit accumulator's tile is loaded by the tensor
+memory accelerator (TMA) while the tile's main loop runs, so the add costs one read and the write
+a GEMM makes anyway; a float32 accumulator is added to by the TMA's store itself (a reducing
+store, ``cp.reduce.async.bulk`` add), which reads nothing into the multiprocessor.
 
 Layout: a persistent kernel, one program per multiprocessor, walks the ``[V, H]`` output in
 ``128 x 256`` tiles; in each, a memory warpgroup streams ``64``-row slices of ``g`` and ``x``
@@ -18,8 +19,7 @@ The chunk's columns and ``H`` must be whole numbers of output tiles (:func:`fits
 uses XLA's add elsewhere. The accumulator may have more rows than the chunk has columns: its tiles
 move through shared memory in slices of one 128-byte swizzle row (``[128, 64]`` 16-bit, ``[128,
 32]`` float32), tiled ``(1, cols)``: the same bytes as an ``(8, cols)`` tiling, but a tiling that
-asks nothing of the accumulator's row count, where ``(8, cols)`` needs it a multiple of 8. A
-float32 accumulator's tile takes twice the shared memory, so its pipeline has one stage fewer.
+asks nothing of the accumulator's row count, where ``(8, cols)`` needs it a multiple of 8.
 
 ``torch_kl`` needs no counterpart: ``torch.addmm`` into the accumulator is cuBLAS's beta = 1 GEMM.
 """
@@ -38,10 +38,11 @@ from .pallas_mosaic import H100_SMS, unchecked_vma
 
 TILE_M, TILE_N, TILE_K = 128, 128, 64  # one compute warpgroup's output tile; the slice of rows per step
 CTA_M, CTA_N = TILE_M, 2 * TILE_N  # one program's output tile: the two warpgroups side by side along H
-# Operand stages by the accumulator's bytes per element: 3 x 48 KiB of operands with the 64 KiB
-# 16-bit accumulator tile, 2 x 48 KiB with the 128 KiB float32 tile, in 227 KiB of shared memory.
-STAGES = {2: 3, 4: 2}
+STAGES = 3  # 3 x 48 KiB of operand slices beside the 64 KiB of BUFFERS, in 227 KiB of shared memory
 SLICE_BYTES = 128  # the accumulator tile's slices: one 128-byte swizzle row
+# Shared-memory slices per compute warpgroup: a 16-bit accumulator's whole [128, 128] half (two
+# slices of 64 columns), a float32 one's four slices of 32 columns two at a time.
+BUFFERS = 2
 DELAY = 0  # each step's MMA waited for before its slot is released: 5 % faster alone than one in flight
 SNAKE_WIDTH, SNAKE_MINOR = 4, 1  # bands of 4 tiles along V walked along H first (L2 reuse)
 NAME = "fused_kl_grad_weight_mosaic"
@@ -96,6 +97,12 @@ def _body(g_gmem, x_gmem, acc_gmem, add: bool = True):
     m_iters, n_iters = v // CTA_M, h // CTA_N
     cols = _slice_cols(acc_gmem.dtype)
     slices = TILE_N // cols
+    # A float32 accumulator is added to by the TMA's store itself (a reduction "add" in float32,
+    # one rounding as the load and add would make): nothing is loaded, and its four slices take
+    # turns in two buffers. A 16-bit one is loaded and summed in float32, to be rounded once.
+    reduce = jnp.dtype(acc_gmem.dtype).itemsize == 4
+    load = add and not reduce
+    assert reduce or slices == BUFFERS, "a 16-bit accumulator's half tile stays in shared memory"
 
     def pipeline(mma, context):
         return plgpu.emit_pipeline_warp_specialized(
@@ -105,7 +112,7 @@ def _body(g_gmem, x_gmem, acc_gmem, add: bool = True):
             in_specs=[_operand(CTA_M, g_gmem.dtype), _operand(CTA_N, x_gmem.dtype)],
             wg_axis="wg",
             num_compute_wgs=2,
-            max_concurrent_steps=STAGES[jnp.dtype(acc_gmem.dtype).itemsize],
+            max_concurrent_steps=STAGES,
             compute_context=context,
         )
 
@@ -114,8 +121,8 @@ def _body(g_gmem, x_gmem, acc_gmem, add: bool = True):
     @functools.partial(
         pl.run_scoped,
         allocations=pipeline(ignore, ignore).get_allocations(g_gmem, x_gmem),
-        acc_smem=plgpu.SMEM((2, slices, TILE_M, cols), acc_gmem.dtype, transforms=_slice_transforms(acc_gmem.dtype)),
-        loaded=plgpu.Barrier(num_barriers=2 * slices),
+        acc_smem=plgpu.SMEM((2, BUFFERS, TILE_M, cols), acc_gmem.dtype, transforms=_slice_transforms(acc_gmem.dtype)),
+        loaded=plgpu.Barrier(num_barriers=2 * BUFFERS),
         collective_axes="wg",
     )
     def scoped(allocations, acc_smem, loaded):
@@ -129,27 +136,28 @@ def _body(g_gmem, x_gmem, acc_gmem, add: bool = True):
             half = pl.ds(wg * TILE_N, TILE_N)
             out = acc_gmem.at[m_slice, n_slice].at[:, half]
             outs = [out.at[:, pl.ds(j * cols, cols)] for j in range(slices)]
-            mine = [acc_smem.at[wg, j] for j in range(slices)]
-            arrived = [loaded.at[wg * slices + j] for j in range(slices)]
+            mine = [acc_smem.at[wg, j] for j in range(BUFFERS)]
+            arrived = [loaded.at[wg * BUFFERS + j] for j in range(BUFFERS)]
 
             def context(run_main_loop):
                 @functools.partial(pl.run_scoped, product=plgpu.ACC((TILE_M, TILE_N), jnp.float32))
                 def accumulate(product):
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's store has left
-                    if add:  # the tile's accumulator slices load while the main loop runs
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's stores have left
+                    if load:  # the tile's accumulator slices load while the main loop runs
                         for src, dst, barrier in zip(outs, mine, arrived, strict=True):
                             plgpu.copy_gmem_to_smem(src, dst, barrier)
                     run_main_loop(product)
                     total = product[...]
-                    for j, (dst, barrier) in enumerate(zip(mine, arrived, strict=True)):
-                        part = total[:, j * cols : (j + 1) * cols]
-                        if add:
-                            plgpu.barrier_wait(barrier)
-                            part = dst[...].astype(jnp.float32) + part
-                        dst[...] = part.astype(dst.dtype)
-                    plgpu.commit_smem()
-                    for src, dst in zip(mine, outs, strict=True):
-                        plgpu.copy_smem_to_gmem(src, dst)
+                    for j, dst in enumerate(outs):
+                        buf, part = mine[j % BUFFERS], total[:, j * cols : (j + 1) * cols]
+                        if load:
+                            plgpu.barrier_wait(arrived[j])
+                            part = buf[...].astype(jnp.float32) + part
+                        elif j >= BUFFERS:  # the store of slice j - BUFFERS has read this buffer
+                            plgpu.wait_smem_to_gmem(BUFFERS - 1, wait_read_only=True)
+                        buf[...] = part.astype(buf.dtype)
+                        plgpu.commit_smem()
+                        plgpu.copy_smem_to_gmem(buf, dst, reduction_op="add" if add and reduce else None)
 
             def mma(indices, g_smem, x_smem, product):
                 del indices
