@@ -23,7 +23,7 @@ class ArrayFacts:
 
     shape: tuple[int, ...]
     dtype: str  # "float32", "bfloat16", "int64", ...
-    kind: str  # "float", "int", "bool", "complex"
+    kind: str  # "float", "int", "bool", "complex", or "other" (numpy's strings, objects, dates)
     device: str | None  # None when unknown (a JAX tracer)
 
 
@@ -46,7 +46,14 @@ def _is_int(value: object) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def _number(name: str, value: object, ok: Callable[[float], bool], expected: str) -> float:
+def check_flag(name: str, value: object) -> bool:
+    """A flag argument: ``True`` or ``False`` (a string such as ``"no"`` would read as true)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: expected True or False, got {type(value).__name__} {value!r}")
+    return value
+
+
+def check_number(name: str, value: object, ok: Callable[[float], bool], expected: str) -> float:
     if not _is_real(value):
         raise TypeError(f"{name}: expected {expected}, got {type(value).__name__} {value!r}")
     # Comparisons, not math.isfinite: under torch.compile a float that changed between calls is
@@ -56,12 +63,12 @@ def _number(name: str, value: object, ok: Callable[[float], bool], expected: str
     return float(value)
 
 
-def _positive(name: str, value: object) -> float:
-    return _number(name, value, lambda v: v > 0, "a finite number > 0")
+def check_positive(name: str, value: object) -> float:
+    return check_number(name, value, lambda v: v > 0, "a finite number > 0")
 
 
 def _optional_positive(name: str, value: object) -> float | None:
-    return None if value is None else _number(name, value, lambda v: v > 0, "None or a finite number > 0")
+    return None if value is None else check_number(name, value, lambda v: v > 0, "None or a finite number > 0")
 
 
 def _one_of(name: str, value: object, allowed: tuple[str, ...]) -> str:
@@ -107,18 +114,18 @@ def check_options(
         raise TypeError(f"ignore_index: expected an int, got {type(ignore_index).__name__} {ignore_index!r}")
     if not -(2**63) <= ignore_index < 2**63:
         raise ValueError(f"ignore_index: expected an int that fits in 64 bits, got {ignore_index!r}")
-    temperature = _positive("temperature", temperature)
-    eps = _number("eps", eps, lambda v: 0 < v < 1, "a number in (0, 1)")
-    beta = _number("beta", beta, lambda v: 0 <= v <= 1, "a finite number in [0, 1]")
+    temperature = check_positive("temperature", temperature)
+    eps = check_number("eps", eps, lambda v: 0 < v < 1, "a number in (0, 1)")
+    beta = check_number("beta", beta, lambda v: 0 <= v <= 1, "a finite number in [0, 1]")
     weights = [
-        _number(n, w, lambda v: v >= 0, "a finite number >= 0")
+        check_number(n, w, lambda v: v >= 0, "a finite number >= 0")
         for n, w in (
             ("weight_soft_loss", weight_soft_loss),
             ("weight_hard_loss", weight_hard_loss),
             ("z_loss_weight", z_loss_weight),
         )
     ]
-    label_smoothing = _number("label_smoothing", label_smoothing, lambda v: 0 <= v < 1, "a number in [0, 1)")
+    label_smoothing = check_number("label_smoothing", label_smoothing, lambda v: 0 <= v < 1, "a number in [0, 1)")
     target_format = _one_of("target_format", target_format, TARGET_FORMATS)
     topk_tail = _one_of("topk_tail", topk_tail, TOPK_TAILS)
     if target_format == "topk_log_probs":
@@ -129,11 +136,13 @@ def check_options(
                 "teacher_temperature: not used with target_format='topk_log_probs' (the log-probabilities "
                 f"are taken as given), got {teacher_temperature!r}"
             )
-    teacher_t = temperature if teacher_temperature is None else _positive("teacher_temperature", teacher_temperature)
+    teacher_t = temperature
+    if teacher_temperature is not None:
+        teacher_t = check_positive("teacher_temperature", teacher_temperature)
     teacher = Teacher(
         format=target_format,
         temperature=teacher_t,
-        logit_scale=_positive("teacher_logit_scale", teacher_logit_scale),
+        logit_scale=check_positive("teacher_logit_scale", teacher_logit_scale),
         softcap=_optional_positive("teacher_softcap", teacher_softcap),
         topk_tail=topk_tail,
         eps=eps,
@@ -155,7 +164,7 @@ def check_options(
         weight_soft=weights[0] if with_teacher else 0.0,
         weight_hard=weights[1],
         label_smoothing=label_smoothing,
-        logit_scale=_positive("logit_scale", logit_scale),
+        logit_scale=check_positive("logit_scale", logit_scale),
         softcap=_optional_positive("softcap", softcap),
         teacher=teacher if with_teacher else None,
         z_loss=weights[2],

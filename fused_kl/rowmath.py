@@ -195,7 +195,7 @@ def row_losses(
     (w_hard ce_i + z lse_i**2))`` with ``r_i`` its weight, the own loss unweighted and unnormalised,
     ``w_soft soft_i + w_hard ce_i + z lse_i**2``; both 0 if ignored. A kept row with a label
     outside the vocabulary never gets here checked: the eager value check refuses it, and an
-    unchecked call's driver makes it NaN (:func:`unchecked_rows`)."""
+    unchecked call's driver makes it NaN (:func:`invalid_rows`, :func:`nan_rows`)."""
     s = columns(STATS, stats)
     zero = s.lse * 0.0
     soft = soft_rows if loss.soft else zero

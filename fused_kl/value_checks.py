@@ -51,7 +51,8 @@ def check_value_summary(
 ) -> None:
     """Raise on bad concrete values, from :func:`value_summary`'s parts as ints: every kept label
     (the hard term's or the cross-entropy's) in ``[0, V)``; top-k indices in ``[0, V)`` and
-    distinct within a row; the teacher's values of their format's sign (if ``target``)."""
+    distinct within a row; the teacher's values of their format's sign (if ``target``); every
+    row weight finite and >= 0 (if ``row_weight``)."""
     if labels:
         kept_min, kept_max = values[:2]
         values = values[2:]

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.typing import DTypeLike
 
-from fused_kl.checks import cross_entropy_reduction
+from fused_kl.checks import check_flag, cross_entropy_reduction
 
 from .autograd import fused_linear_loss
 from .backends import Backend
@@ -25,6 +25,7 @@ def _run(
     options: dict[str, Any],
 ):  # fmt: skip
     """The loss, and with ``return_row_losses`` the rows' own losses shaped like the rows."""
+    check_flag("return_row_losses", return_row_losses)
     loss, rows = _loss_and_rows(arrays, with_teacher, mesh, batch_axis, vocab_axis, options)
     if not return_row_losses:
         return loss
@@ -32,6 +33,8 @@ def _run(
 
 
 def _loss_and_rows(arrays: dict[str, Any], with_teacher: bool, mesh, batch_axis, vocab_axis, options: dict[str, Any]):
+    if mesh is not None and not isinstance(mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)):
+        raise TypeError(f"mesh: expected None or a jax.sharding.Mesh, got {type(mesh).__name__} {mesh!r}")
     inside = mesh is None and (batch_axis is not None or vocab_axis is not None)
     shards = vocab_shards_inside(batch_axis, vocab_axis) if inside else 1
     shapes, loss, run, backend, values = validate(

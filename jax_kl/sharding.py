@@ -131,7 +131,7 @@ def _sharded(
 
 def run_sharded(
     mesh, layout: Layout, x, weight, bias, teacher, labels, row_weight, loss: Loss, run: RunOptions, backend: Backend
-):
+) -> tuple[jax.Array, jax.Array]:
     """``(loss, row losses)`` of global arrays on ``mesh``, under ``custom_vjp``: the backend's
     compute run inside one ``shard_map``."""
     _distinct(layout.batch_axis, layout.vocab_axis)
@@ -165,7 +165,7 @@ def vma_checked(batch_axis, vocab_axis) -> bool:
 
 def run_inside(
     layout: Layout, x, weight, bias, teacher, labels, row_weight, loss: Loss, run: RunOptions, backend: Backend
-):
+) -> tuple[jax.Array, jax.Array]:
     """``(the global loss, this device's rows' losses)`` from this device's blocks, inside the
     caller's ``shard_map``."""
     axes = _names(layout.batch_axis) + _names(layout.vocab_axis)

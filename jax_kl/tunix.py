@@ -29,6 +29,8 @@ import jax
 from flax import nnx
 from tunix.distillation.strategies.base_strategy import BaseStrategy, ModelForwardCallable
 
+from fused_kl.checks import check_number, check_positive
+
 from .api import fused_linear_cross_entropy, fused_linear_kl_div
 from .flax import HeadParams, head_params
 
@@ -66,10 +68,8 @@ class FusedLogitStrategy(BaseStrategy):
         backend: str = "auto",
     ) -> None:
         super().__init__(student_forward_fn, teacher_forward_fn, labels_fn)
-        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= alpha <= 1.0:
-            raise ValueError(f"alpha: expected a float in [0, 1], got {alpha!r}")
-        self.temperature = float(temperature)
-        self.alpha = float(alpha)
+        self.alpha = check_number("alpha", alpha, lambda v: 0 <= v <= 1, "a number in [0, 1]")
+        self.temperature = check_positive("temperature", temperature)
         self._student_head = student_head
         self._teacher_head = teacher_head
         self._options: dict[str, Any] = {"ignore_index": ignore_index, "chunk_size": chunk_size, "backend": backend}

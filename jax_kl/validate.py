@@ -29,7 +29,9 @@ def _kind(dtype: np.dtype) -> str:
         return "bool"
     if jnp.issubdtype(dtype, jnp.complexfloating):
         return "complex"
-    return "float" if jnp.issubdtype(dtype, jnp.floating) else "int"
+    if jnp.issubdtype(dtype, jnp.floating):
+        return "float"
+    return "int" if jnp.issubdtype(dtype, jnp.integer) else "other"  # "other": strings, objects, dates
 
 
 def _device(value: object) -> str | None:

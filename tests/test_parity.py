@@ -1,6 +1,7 @@
 """Cross-framework parity: the same tensors, handed to JAX with DLPack, give the same loss and
 gradients in every backend of ``torch_kl`` and of ``jax_kl``, for the loss family and every
-teacher format. The bridges run the other framework's kernels: bitwise that framework's result."""
+teacher format. The bridges run the other framework's kernels: their gradients are bitwise that framework's,
+the loss within float32's rounding of a sum taken in another order."""
 
 from __future__ import annotations
 

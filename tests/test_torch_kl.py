@@ -252,6 +252,8 @@ def test_teacher_head_in_blocks(monkeypatch: pytest.MonkeyPatch, backend: str, d
         ("FusedLinearJSDLoss", "reduction", "this module sets it"),
         ("FusedLinearJSDLoss", "target_format", "this module sets it"),
         ("FusedLinearJSDLoss", "teacher_bias", "this module sets it"),
+        ("FusedLinearJSDLoss", "x", "this module sets it"),
+        ("FusedLinearJSDLoss", "weight", "this module sets it"),
         ("FusedLinearCrossEntropyLoss", "bias", "this module sets it"),
         # a misspelt keyword, refused where it is written rather than at the first call
         ("FusedLinearKLDivLoss", "temprature", r"not a keyword of torch_kl\.fused_linear_kl_div$"),
@@ -274,6 +276,10 @@ BAD_MODULE_VALUES = [
     ("FusedLinearKLDivLoss", dict(chunk_size=0)),
     ("FusedLinearCrossEntropyLoss", dict(label_smoothing=1.0)),
     ("FusedLinearCrossEntropyLoss", dict(reduction="batchmean")),
+    ("FusedLinearKLDivLoss", dict(backend="nope")),
+    ("FusedLinearCrossEntropyLoss", dict(backend="nope")),
+    ("FusedLinearKLDivLoss", dict(accum_dtype="float32")),
+    ("FusedLinearKLDivLoss", dict(return_row_losses="yes")),
 ]
 
 
@@ -293,6 +299,13 @@ def test_modules_refuse_at_construction_a_value_the_call_refuses(module: str, op
     with pytest.raises(by_call.type) as at_construction:
         getattr(torch_kl, module)(**options)
     assert str(at_construction.value) == str(by_call.value)
+
+
+def test_jsd_module_refuses_row_losses_beside_its_parts() -> None:
+    with pytest.raises(ValueError, match=r"^return_row_losses: not with return_soft_hard_loss=True"):
+        torch_kl.FusedLinearJSDLoss(return_soft_hard_loss=True, return_row_losses=True)
+    with pytest.raises(TypeError, match=r"^return_soft_hard_loss: expected True or False, got str"):
+        torch_kl.FusedLinearJSDLoss(return_soft_hard_loss="yes")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

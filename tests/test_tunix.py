@@ -122,5 +122,18 @@ def test_teacher_output_is_hidden_states_and_head_never_logits() -> None:
 
 @pytest.mark.parametrize("alpha", [-0.1, 1.5, float("nan")])
 def test_alpha_outside_the_unit_interval_is_a_value_error(alpha: float) -> None:
-    with pytest.raises(ValueError, match=r"^alpha: expected a float in \[0, 1\]"):
+    with pytest.raises(ValueError, match=r"^alpha: expected a number in \[0, 1\]"):
         FusedLogitStrategy(_hidden, _hidden, _ids, alpha=alpha)
+
+
+@pytest.mark.parametrize(
+    ("keywords", "error", "match"),
+    [
+        ({"alpha": "0.5"}, TypeError, r"^alpha: expected a number in \[0, 1\], got str"),
+        ({"temperature": 0.0}, ValueError, r"^temperature: expected a finite number > 0"),
+        ({"temperature": "2"}, TypeError, r"^temperature: expected a finite number > 0, got str"),
+    ],
+)
+def test_bad_alpha_or_temperature_is_refused_at_construction(keywords: dict, error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        FusedLogitStrategy(_hidden, _hidden, _ids, **keywords)

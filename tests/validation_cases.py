@@ -186,6 +186,14 @@ BAD = {
     "bias a list": Bad(TypeError, "bias", lambda fw: {"bias": [0.0] * V}, same_message=False),
     # ---- options
     "reduction 'none'": Bad(ValueError, "reduction", option(reduction="none"), expected_got=False),
+    "return_row_losses a string": Bad(TypeError, "return_row_losses", option(return_row_losses="yes")),
+    "mesh not a Mesh": Bad(TypeError, "mesh", option(mesh="cpu"), frameworks=(Jax,)),
+    "numpy object labels": Bad(
+        TypeError, "labels", lambda fw: {"labels": np.asarray(_valid()["labels"], object)}, frameworks=(Jax,)
+    ),
+    "numpy string labels": Bad(
+        TypeError, "labels", lambda fw: {"labels": _valid()["labels"].astype(str)}, frameworks=(Jax,)
+    ),
     "reduction unknown": Bad(ValueError, "reduction", option(reduction="avg")),
     "reduction wrong case": Bad(ValueError, "reduction", option(reduction="Sum")),
     "temperature 0": Bad(ValueError, "temperature", option(temperature=0.0)),

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from fused_kl.checks import cross_entropy_reduction
+from fused_kl.checks import check_flag, cross_entropy_reduction
 from fused_kl.options import Needs
 
 from . import compiled
@@ -31,6 +31,7 @@ def _run(
     arrays: dict[str, Any], layout: Layout, with_teacher: bool, return_row_losses: bool, options: dict[str, Any]
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The loss, and with ``return_row_losses`` the rows' own losses shaped like the rows."""
+    check_flag("return_row_losses", return_row_losses)
     loss, rows = _loss_and_rows(arrays, layout, with_teacher, options)
     if not return_row_losses:
         return loss

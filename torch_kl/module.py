@@ -8,13 +8,17 @@ from collections.abc import Callable
 
 import torch
 
-from fused_kl.checks import check_options, cross_entropy_reduction
+from fused_kl.checks import check_flag, cross_entropy_reduction
 
 from .api import fused_linear_cross_entropy, fused_linear_kl_div
+from .validate import check_module_options
 
-# The options check_options validates at construction: all but the accumulation dtype (a
-# torch.dtype here, which the call checks) and the flag that is not an option.
-_CHECKED = set(inspect.signature(check_options).parameters) - {"accum_dtype", "with_teacher"}
+# What FusedLinearJSDLoss passes itself: forward's arguments under the function's names, and the
+# format and reduction it fixes.
+_JSD_SETS = (
+    "x", "weight", "target", "labels", "bias", "teacher_weight", "teacher_bias", "row_weight", "target_format",
+    "reduction",
+)
 
 
 def _constructor_options(options: dict, fn: Callable, taken: tuple[str, ...]) -> dict:
@@ -30,20 +34,15 @@ def _constructor_options(options: dict, fn: Callable, taken: tuple[str, ...]) ->
     return options
 
 
-def _check_values(options: dict, with_teacher: bool = True) -> None:
-    """Refuse now, with the call's own messages, a value every call would refuse (``beta=5``,
-    ``temperature=0``) instead of at the first ``forward``."""
-    check_options(**{k: v for k, v in options.items() if k in _CHECKED}, with_teacher=with_teacher)
-
-
 class FusedLinearKLDivLoss(torch.nn.Module):
     """Fused LM head + distillation loss; see :func:`torch_kl.fused_linear_kl_div`.
 
     The constructor's first five parameters and ``forward(x, weight, target, labels=None,
-    bias=None)`` have the positional order of Liger's ``LigerFusedLinearKLDivLoss``, so it is
-    a drop-in replacement; every other keyword of the function is accepted, keyword-only, except
-    ``forward``'s arguments (``bias``, ``labels``); those and unknown keywords are refused with a
-    ``TypeError`` at construction.
+    bias=None, row_weight=None)`` have the positional order of Liger's
+    ``LigerFusedLinearKLDivLoss``, so it is a drop-in replacement; every other keyword of the
+    function is accepted, keyword-only, except ``forward``'s arguments; those and unknown keywords
+    are refused with a ``TypeError`` at construction, a value the function would refuse with its
+    own error.
     """
 
     def __init__(
@@ -66,7 +65,7 @@ class FusedLinearKLDivLoss(torch.nn.Module):
                 options, fused_linear_kl_div, ("x", "weight", "target", "labels", "bias", "row_weight")
             ),
         )
-        _check_values(self.options)
+        check_module_options(self.options)
 
     def forward(
         self,
@@ -93,9 +92,9 @@ class FusedLinearJSDLoss(torch.nn.Module):
     is honoured; ``return_soft_hard_loss=True`` returns ``(loss, soft, hard)``, each unweighted
     part reduced over the kept rows, detached (for logging; they cost one more pass over the rows that
     makes no gradient, two with ``weight_hard_loss=0`` or a z-loss). Other keywords of
-    :func:`torch_kl.fused_linear_kl_div` are accepted, except those this module sets (``target_format``,
-    ``reduction``, ``bias``, ``teacher_weight``, ``teacher_bias``, the loss weights), refused with a
-    ``TypeError``.
+    :func:`torch_kl.fused_linear_kl_div` are accepted, except ``forward``'s arguments and those this
+    module sets (``target_format``, ``reduction``), refused with a ``TypeError``;
+    ``return_row_losses=True`` returns ``(loss, row_losses)``, not with ``return_soft_hard_loss``.
     """
 
     def __init__(
@@ -113,7 +112,12 @@ class FusedLinearJSDLoss(torch.nn.Module):
         super().__init__()
         del compiled
         self.weights = (weight_soft_loss, weight_hard_loss)
-        self.return_soft_hard_loss = return_soft_hard_loss
+        self.return_soft_hard_loss = check_flag("return_soft_hard_loss", return_soft_hard_loss)
+        if return_soft_hard_loss and options.get("return_row_losses"):
+            raise ValueError(
+                "return_row_losses: not with return_soft_hard_loss=True (its (loss, soft, hard) takes the output); "
+                "pass one of them"
+            )
         self.options = dict(
             beta=beta,
             ignore_index=ignore_index,
@@ -124,10 +128,10 @@ class FusedLinearJSDLoss(torch.nn.Module):
             **_constructor_options(
                 options,
                 fused_linear_kl_div,
-                ("target_format", "reduction", "bias", "teacher_weight", "teacher_bias", "labels", "row_weight"),
+                _JSD_SETS,
             ),
         )
-        _check_values(dict(self.options, weight_soft_loss=weight_soft_loss, weight_hard_loss=weight_hard_loss))
+        check_module_options(dict(self.options, weight_soft_loss=weight_soft_loss, weight_hard_loss=weight_hard_loss))
 
     def forward(
         self,
@@ -165,8 +169,8 @@ class FusedLinearJSDLoss(torch.nn.Module):
 
 class FusedLinearCrossEntropyLoss(torch.nn.Module):
     """Fused LM head + cross-entropy; see :func:`torch_kl.fused_linear_cross_entropy`.
-    ``forward(x, weight, labels, bias=None)``; the constructor takes the function's keywords but
-    ``bias`` and ``labels``."""
+    ``forward(x, weight, labels, bias=None, row_weight=None)``; the constructor takes the
+    function's keywords but ``forward``'s arguments."""
 
     def __init__(self, **options: object) -> None:
         super().__init__()
@@ -174,7 +178,7 @@ class FusedLinearCrossEntropyLoss(torch.nn.Module):
             options, fused_linear_cross_entropy, ("x", "weight", "labels", "bias", "row_weight")
         )
         reduction = cross_entropy_reduction(self.options.get("reduction", "mean"))
-        _check_values(dict(self.options, reduction=reduction, weight_hard_loss=1.0, weight_soft_loss=0.0), False)
+        check_module_options(dict(self.options, reduction=reduction, weight_hard_loss=1.0, weight_soft_loss=0.0), False)
 
     def forward(
         self,

@@ -6,8 +6,8 @@ its rows sharded over a 1-D ``DeviceMesh`` (sequence / data parallel) and run wi
 ``batch_group`` = the mesh's process group, so the loss is normalised over the rows of all
 ranks. For each call:
 
-* row arguments (``x``, ``target``, ``labels``; the JSD module's ``student_input``,
-  ``teacher_input``, ``true_labels``): a ``DTensor`` is redistributed to
+* row arguments (``x``, ``target``, ``labels``, ``row_weight``; the JSD module's
+  ``student_input``, ``teacher_input``, ``true_labels``): a ``DTensor`` is redistributed to
   ``Shard(sequence_dim)`` (uneven shards are fine) and its local rows used; a plain tensor is
   taken as this rank's rows already;
 * head arguments (``weight``, ``bias``, teacher heads): a ``Replicate`` DTensor is used
@@ -21,6 +21,8 @@ ranks. For each call:
 * the output is the global loss as a ``Partial`` DTensor (``.full_tensor()`` gives its value;
   ``.backward()`` works as is), or, with ``use_local_output=True``, this rank's share
   ``local_sum / global_n`` as a plain tensor (the ranks' shares sum to the global loss).
+  With ``return_row_losses=True`` the row losses come back beside it as this rank's rows' (a
+  plain tensor, shaped like its local rows): a shard of the rows, not a share of a sum.
 
 Arrays in the module's own options (``teacher_weight``, ``target_indices`` given at
 construction) are passed through unchanged.
@@ -39,7 +41,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from .module import FusedLinearCrossEntropyLoss, FusedLinearJSDLoss, FusedLinearKLDivLoss
 
-ROWS = ("x", "target", "labels", "student_input", "teacher_input", "true_labels")
+ROWS = ("x", "target", "labels", "row_weight", "student_input", "teacher_input", "true_labels")
 HEADS = ("weight", "bias", "student_weight", "student_bias", "teacher_weight", "teacher_bias")
 MODULES = (FusedLinearKLDivLoss, FusedLinearJSDLoss, FusedLinearCrossEntropyLoss)
 
@@ -100,9 +102,14 @@ class LinearLossParallel(ParallelStyle):
     def _output(self, mesh: DeviceMesh, module: torch.nn.Module, inputs: Any, output: Any) -> Any:
         if self.use_local_output:
             return output
+        rows = None
+        if module.options.get("return_row_losses"):  # type: ignore[union-attr]
+            output, rows = output
         if isinstance(output, tuple):  # FusedLinearJSDLoss(return_soft_hard_loss=True)
-            return tuple(DTensor.from_local(o, mesh, (Partial(),)) for o in output)
-        return DTensor.from_local(output, mesh, (Partial(),))
+            loss = tuple(DTensor.from_local(o, mesh, (Partial(),)) for o in output)
+        else:
+            loss = DTensor.from_local(output, mesh, (Partial(),))
+        return loss if rows is None else (loss, rows)
 
 
 def _same_mesh(name: str, a: DTensor, mesh: DeviceMesh) -> None:

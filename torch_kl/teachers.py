@@ -30,7 +30,7 @@ class TeacherArrays:
 def dense_chunk(
     loss: Loss, arrays: TeacherArrays, start: int, stop: int, buf: torch.Tensor | None, gemm: Callable | None = None,
     parts: tuple[slice, ...] = (slice(None),),
-):
+) -> torch.Tensor | None:
     """The rows' dense ``[rows, V]`` teacher (a view, or the head's logits in ``buf``), or None.
     ``gemm(x, weight, bias, out)``, a backend's logits GEMM, makes the head's logits if it
     takes the operands (returns True); else cuBLAS does, over the vocabulary's ``parts``

@@ -4,6 +4,7 @@ indices' values: before any kernel reads them, see :func:`check_values`)."""
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import zlib
 from collections.abc import Callable
 
@@ -13,6 +14,7 @@ from fused_kl.checks import (
     ArrayFacts,
     Shapes,
     check_array_args,
+    check_flag,
     check_int32_ignore_index,
     check_options,
     widened_index_dtype,
@@ -24,6 +26,8 @@ from fused_kl.value_checks import check_value_summary, target_values_checked, va
 from . import backends
 from .backends import Backend
 from .layout import Layout
+
+_OPTION_NAMES = set(inspect.signature(check_options).parameters) - {"with_teacher"}
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -194,18 +198,30 @@ def _facts(arrays: dict[str, object], shapes: Shapes, loss: Loss, run: RunOption
     return shapes.n, shapes.h, shapes.v, shapes.t, zlib.crc32(call.encode())
 
 
-def _validate(
-    arrays: dict[str, object], layout: Layout, accum_dtype: object, with_teacher: bool, options: dict[str, object]
-) -> tuple[Shapes, Loss, RunOptions, Backend, Callable[[], None] | None]:
+def _accum_dtype_name(accum_dtype: object) -> str | None:
     if accum_dtype is not None and not isinstance(accum_dtype, torch.dtype):
         raise TypeError(
             f"accum_dtype: expected None or a torch.dtype, got {type(accum_dtype).__name__} {accum_dtype!r}"
         )
+    return None if accum_dtype is None else _dtype_name(accum_dtype)
+
+
+def check_module_options(options: dict[str, object], with_teacher: bool = True) -> None:
+    """What a module's constructor can refuse of ``options`` before any array is seen, with the
+    call's own messages: the values (``temperature=0``, ``beta=5``), ``accum_dtype``'s type and
+    the backend's name (whether it runs on the inputs' device is known at the call)."""
+    backends.check_name(options.get("backend", "auto"))
+    check_flag("return_row_losses", options.get("return_row_losses", False))
+    checked = {k: v for k, v in options.items() if k in _OPTION_NAMES and k != "accum_dtype"}
+    check_options(**checked, accum_dtype=_accum_dtype_name(options.get("accum_dtype")), with_teacher=with_teacher)
+
+
+def _validate(
+    arrays: dict[str, object], layout: Layout, accum_dtype: object, with_teacher: bool, options: dict[str, object]
+) -> tuple[Shapes, Loss, RunOptions, Backend, Callable[[], None] | None]:
     options = _values_as_floats(dict(options))
     backend = options.pop("backend")
-    loss, run = check_options(
-        **options, accum_dtype=None if accum_dtype is None else _dtype_name(accum_dtype), with_teacher=with_teacher
-    )
+    loss, run = check_options(**options, accum_dtype=_accum_dtype_name(accum_dtype), with_teacher=with_teacher)
     x = arrays["x"]
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")

@@ -118,7 +118,7 @@ _LOAD_PARAMS = inspect.signature(plgpu.load).parameters
 _REF_ONLY = "idx" not in _LOAD_PARAMS or _LOAD_PARAMS["idx"].default is not inspect.Parameter.empty
 
 
-def unchecked_vma():
+def unchecked_vma() -> contextlib.AbstractContextManager:
     """What ``plgpu.kernel`` runs its kernel under: no varying-manual-axes check inside a
     ``shard_map`` (the kernel's refs carry none)."""
     check = getattr(jax_config, "_check_vma", None)

@@ -106,6 +106,28 @@ def kl_plain_head(rank: int, world: int) -> None:
 
 
 @_case
+def kl_row_weights_and_row_losses(rank: int, world: int) -> None:
+    """A DTensor ``row_weight`` is sharded like the rows; ``return_row_losses=True`` gives the
+    global loss as a Partial DTensor and this rank's rows' losses as a plain tensor."""
+    mesh = init_device_mesh(DEVICE.type, (world,))
+    p = problem(n=8, lead=2, ignored=(2, 5))
+    p["row_weight"] = torch.linspace(0.5, 2.0, 8, device=DEVICE).reshape(2, 4)
+    want_loss, want = run(p, {})
+    _, want_rows = torch_kl.fused_linear_kl_div(**p, return_row_losses=True)
+    module = parallelize_module(torch_kl.FusedLinearKLDivLoss(return_row_losses=True), mesh, LinearLossParallel())
+    x, w = _leaf(p["x"], mesh, Shard(1)), _leaf(p["weight"], mesh, Replicate())
+    t, lab, rw = (distribute_tensor(p[k], mesh, [Shard(1)]) for k in ("target", "labels", "row_weight"))
+    loss, rows = module(x, w, t, lab, row_weight=rw)
+    assert isinstance(loss, DTensor) and tuple(loss.placements) == (Partial(),), loss
+    assert not isinstance(rows, DTensor) and rows.shape == (2, 2), rows
+    check("loss", float(loss.full_tensor()), want_loss, TOL)
+    check("row_losses", rows, want_rows[:, 2 * rank : 2 * rank + 2], TOL)
+    loss.backward()
+    check("grad_weight", w.grad.full_tensor(), want["weight"], TOL)
+    check("grad_x", x.grad.full_tensor(), want["x"], TOL)
+
+
+@_case
 def jsd_module(rank: int, world: int) -> None:
     """FusedLinearJSDLoss (teacher hidden states and head), return_soft_hard_loss=True."""
     mesh = init_device_mesh(DEVICE.type, (world,))

@@ -151,13 +151,19 @@ AUTO_ORDER = ("triton", "torch")
 NAMES = ("auto", *REGISTRY, *ALIASES)
 
 
+def check_name(name: object) -> None:
+    """Refuse a ``backend=`` value that names no backend (a :class:`Backend` value passes): what
+    can be checked before the device is known."""
+    if not isinstance(name, Backend) and name not in NAMES:
+        raise unknown_backend(name, NAMES)
+
+
 def resolve(name: object, device: torch.device) -> Backend:
     """The backend a ``backend=`` argument names on ``device``, checked to run there and built
     (a :class:`Backend` value is taken as it is)."""
     if isinstance(name, Backend):
         return name
-    if name not in NAMES:
-        raise unknown_backend(name, NAMES)
+    check_name(name)
     if name == "auto":
         for candidate in AUTO_ORDER:
             entry = REGISTRY[candidate]
