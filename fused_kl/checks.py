@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from .loss import REDUCTIONS, TARGET_FORMATS, TOPK_TAILS, Loss, Teacher
 from .options import FLOAT_DTYPES, RunOptions
@@ -47,10 +49,11 @@ def _is_int(value: object) -> bool:
 
 
 def check_flag(name: str, value: object) -> bool:
-    """A flag argument: ``True`` or ``False`` (a string such as ``"no"`` would read as true)."""
-    if not isinstance(value, bool):
+    """A flag argument: ``True`` or ``False``, numpy's too (a string such as ``"no"`` would read as
+    true)."""
+    if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name}: expected True or False, got {type(value).__name__} {value!r}")
-    return value
+    return bool(value)
 
 
 def check_number(name: str, value: object, ok: Callable[[float], bool], expected: str) -> float:
@@ -266,13 +269,7 @@ def _check_teacher(
         raise ValueError("target: required, got None")
     _float_array("target", target, None)
     _same_device("target", target, x)
-    for name, given, used in (
-        ("teacher_weight", tw, "hidden"),
-        ("teacher_bias", tb, "hidden"),
-        ("target_indices", idx, "topk_log_probs"),
-    ):
-        if given is not None and fmt != used:
-            raise ValueError(f"{name}: only used with target_format={used!r}, got one with {fmt!r}")
+    check_teacher_arrays(fmt, [name for name in TEACHER_ARRAYS if arrays.get(name) is not None])
     if fmt == "hidden":
         if len(target.shape) != len(lead) + 1 or target.shape[:-1] != lead:
             raise ValueError(
@@ -280,7 +277,7 @@ def _check_teacher(
                 f"got {_shape(target)}"
             )
         if tw is None:
-            raise ValueError("teacher_weight: required with target_format='hidden' (the teacher's head [V, Ht])")
+            raise teacher_weight_required()
         _float_array("teacher_weight", tw, target.dtype, "target")
         _same_device("teacher_weight", tw, target, "target")
         if len(tw.shape) != 2 or tw.shape[1] != target.shape[-1]:
@@ -313,6 +310,21 @@ def _check_teacher(
     if target.shape != (*lead, v):
         raise ValueError(f"target: expected shape {_dims((*lead, v))} (x's leading dims, V), got {_shape(target)}")
     return v
+
+
+# The teacher's arrays that one format alone uses.
+TEACHER_ARRAYS = {"teacher_weight": "hidden", "teacher_bias": "hidden", "target_indices": "topk_log_probs"}
+
+
+def check_teacher_arrays(fmt: str, given: Sequence[str]) -> None:
+    """Refuse a teacher array (by name, among ``given``) that ``fmt`` does not use."""
+    for name in given:
+        if fmt != TEACHER_ARRAYS[name]:
+            raise ValueError(f"{name}: only used with target_format={TEACHER_ARRAYS[name]!r}, got one with {fmt!r}")
+
+
+def teacher_weight_required() -> ValueError:
+    return ValueError("teacher_weight: required with target_format='hidden' (the teacher's head [V, Ht])")
 
 
 def check_array_args(

@@ -331,3 +331,14 @@ def test_jsd_module_returns_loss_soft_and_hard(backend: str) -> None:
                                           weight_hard_loss=0.3, chunk_size=6, backend=name)
     assert float(single) == float(direct)
     assert rel_err(float(single), float(loss.detach())) < TOLERANCE["float32"]
+
+
+@pytest.mark.parametrize("hard_weight", [1e-7, 0.0])
+def test_jsd_module_logs_the_hard_part_at_any_hard_weight(hard_weight: float) -> None:
+    """A hard weight small beside the soft one (a warm-up schedule's first steps): the logged hard
+    part is still the cross-entropy, not a difference of nearly equal numbers divided by it."""
+    inp = make_inputs(10, 6, 29, target_format="hidden", ht=5)
+    args = _tensors(inp, "x", "weight", "target", "teacher_weight", "labels", grad=False)
+    module = torch_kl.FusedLinearJSDLoss(hard_weight, 1.0, 0.4, return_soft_hard_loss=True, backend="torch")
+    _, _, hard = module(*args)
+    assert float(hard) == pytest.approx(expected(inp, fn="cross_entropy").loss, rel=TOLERANCE["float32"])

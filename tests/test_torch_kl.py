@@ -280,6 +280,9 @@ BAD_MODULE_VALUES = [
     ("FusedLinearCrossEntropyLoss", dict(backend="nope")),
     ("FusedLinearKLDivLoss", dict(accum_dtype="float32")),
     ("FusedLinearKLDivLoss", dict(return_row_losses="yes")),
+    ("FusedLinearKLDivLoss", dict(target_format="hidden")),
+    ("FusedLinearKLDivLoss", dict(teacher_weight=torch.zeros(5, 3))),
+    ("FusedLinearJSDLoss", dict(target_indices=torch.zeros(2, 1, dtype=torch.long))),
 ]
 
 
@@ -293,12 +296,23 @@ def test_modules_refuse_at_construction_a_value_the_call_refuses(module: str, op
     else:
         fn, args = torch_kl.fused_linear_kl_div, (x, w, t, lab)
         if module == "FusedLinearJSDLoss":  # its defaults, beside the value tried
-            call = dict(beta=0.5, weight_hard_loss=0.5, weight_soft_loss=0.5) | options
+            call = dict(beta=0.5, weight_hard_loss=0.5, weight_soft_loss=0.5, target_format="hidden") | options
     with pytest.raises((TypeError, ValueError)) as by_call:
         fn(*args, **call)
     with pytest.raises(by_call.type) as at_construction:
         getattr(torch_kl, module)(**options)
     assert str(at_construction.value) == str(by_call.value)
+
+
+def test_kl_module_takes_each_batch_top_k_token_ids() -> None:
+    x, w = torch.randn(4, 3), torch.randn(7, 3)
+    idx = torch.tensor([[0, 5], [1, 2], [6, 3], [4, 0]])
+    t = torch.log_softmax(torch.randn(4, 2), -1) - 0.1
+    module = torch_kl.FusedLinearKLDivLoss(target_format="topk_log_probs", backend="torch")
+    for ids in (idx, idx.flip(1)):
+        topk = dict(target_format="topk_log_probs", target_indices=ids, backend="torch")
+        want = torch_kl.fused_linear_kl_div(x, w, t, **topk)
+        assert float(module(x, w, t, target_indices=ids)) == float(want)
 
 
 def test_jsd_module_refuses_row_losses_beside_its_parts() -> None:

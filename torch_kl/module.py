@@ -13,6 +13,10 @@ from fused_kl.checks import check_flag, cross_entropy_reduction
 from .api import fused_linear_cross_entropy, fused_linear_kl_div
 from .validate import check_module_options
 
+# FusedLinearJSDLoss's logged hard part is derived from the loss (no pass of its own) only where
+# weight_hard_loss is at least 1/16 of weight_soft_loss: the subtraction then loses at most about
+# four bits of float32 where the parts are alike.
+_DERIVED_HARD_RATIO = 16.0
 # What FusedLinearJSDLoss passes itself: forward's arguments under the function's names, and the
 # format and reduction it fixes.
 _JSD_SETS = (
@@ -38,7 +42,7 @@ class FusedLinearKLDivLoss(torch.nn.Module):
     """Fused LM head + distillation loss; see :func:`torch_kl.fused_linear_kl_div`.
 
     The constructor's first five parameters and ``forward(x, weight, target, labels=None,
-    bias=None, row_weight=None)`` have the positional order of Liger's
+    bias=None, row_weight=None, target_indices=None)`` have the positional order of Liger's
     ``LigerFusedLinearKLDivLoss``, so it is a drop-in replacement; every other keyword of the
     function is accepted, keyword-only, except ``forward``'s arguments; those and unknown keywords
     are refused with a ``TypeError`` at construction, a value the function would refuse with its
@@ -62,10 +66,12 @@ class FusedLinearKLDivLoss(torch.nn.Module):
             eps=eps,
             accum_dtype=accum_dtype,
             **_constructor_options(
-                options, fused_linear_kl_div, ("x", "weight", "target", "labels", "bias", "row_weight")
+                options,
+                fused_linear_kl_div,
+                ("x", "weight", "target", "labels", "bias", "row_weight", "target_indices"),
             ),
         )
-        check_module_options(self.options)
+        check_module_options(self.options, teacher_head=True)
 
     def forward(
         self,
@@ -75,10 +81,15 @@ class FusedLinearKLDivLoss(torch.nn.Module):
         labels: torch.Tensor | None = None,
         bias: torch.Tensor | None = None,
         row_weight: torch.Tensor | None = None,
+        target_indices: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """The loss of ``x @ weight.T (+ bias)`` against ``target``; rows labelled ``ignore_index``
-        skipped, each kept row's loss times its ``row_weight`` if given."""
-        return fused_linear_kl_div(x, weight, target, labels, bias=bias, row_weight=row_weight, **self.options)  # type: ignore[arg-type]
+        """The loss of ``x @ weight.T (+ bias)`` against ``target`` (with ``target_indices``, the
+        batch's token ids of a top-k target); rows labelled ``ignore_index`` skipped, each kept
+        row's loss times its ``row_weight`` if given."""
+        return fused_linear_kl_div(
+            x, weight, target, labels, bias=bias, row_weight=row_weight, target_indices=target_indices,
+            **self.options,  # type: ignore[arg-type]
+        )  # fmt: skip
 
     def extra_repr(self) -> str:
         return ", ".join(f"{k}={v!r}" for k, v in self.options.items())
@@ -91,7 +102,7 @@ class FusedLinearJSDLoss(torch.nn.Module):
     ``compiled`` is accepted and ignored (nothing here needs ``torch.compile``); ``chunk_size``
     is honoured; ``return_soft_hard_loss=True`` returns ``(loss, soft, hard)``, each unweighted
     part reduced over the kept rows, detached (for logging; they cost one more pass over the rows that
-    makes no gradient, two with ``weight_hard_loss=0`` or a z-loss). Other keywords of
+    makes no gradient, two with ``weight_hard_loss`` below 1/16 of ``weight_soft_loss`` or a z-loss). Other keywords of
     :func:`torch_kl.fused_linear_kl_div` are accepted, except ``forward``'s arguments and those this
     module sets (``target_format``, ``reduction``), refused with a ``TypeError``;
     ``return_row_losses=True`` returns ``(loss, row_losses)``, not with ``return_soft_hard_loss``.
@@ -156,11 +167,13 @@ class FusedLinearJSDLoss(torch.nn.Module):
         if not self.return_soft_hard_loss:
             return loss
         # The parts for logging, without gradients: one pass that makes only a loss (no gradient
-        # GEMMs) gives the soft part, and the hard part follows from the loss; a zero weight or the
-        # z-loss (which belongs to neither part) costs a second such pass.
+        # GEMMs) gives the soft part, and the hard part follows from the loss. A second such pass
+        # makes it where that would lose digits: a hard weight small beside the soft one (the
+        # difference cancels, and 0 divides), or a z-loss (which belongs to neither part).
         with torch.no_grad():
             soft = part(1.0, 0.0, z_loss_weight=0.0)
-            if hard_w == 0.0 or self.options.get("z_loss_weight", 0.0) != 0.0:
+            derived = hard_w != 0.0 and hard_w * _DERIVED_HARD_RATIO >= soft_w
+            if not derived or self.options.get("z_loss_weight", 0.0) != 0.0:
                 hard = part(0.0, 1.0, z_loss_weight=0.0)
             else:
                 hard = (loss.detach() - soft_w * soft) / hard_w

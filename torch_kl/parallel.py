@@ -6,7 +6,7 @@ its rows sharded over a 1-D ``DeviceMesh`` (sequence / data parallel) and run wi
 ``batch_group`` = the mesh's process group, so the loss is normalised over the rows of all
 ranks. For each call:
 
-* row arguments (``x``, ``target``, ``labels``, ``row_weight``; the JSD module's
+* row arguments (``x``, ``target``, ``labels``, ``row_weight``, ``target_indices``; the JSD module's
   ``student_input``, ``teacher_input``, ``true_labels``): a ``DTensor`` is redistributed to
   ``Shard(sequence_dim)`` (uneven shards are fine) and its local rows used; a plain tensor is
   taken as this rank's rows already;
@@ -41,7 +41,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from .module import FusedLinearCrossEntropyLoss, FusedLinearJSDLoss, FusedLinearKLDivLoss
 
-ROWS = ("x", "target", "labels", "row_weight", "student_input", "teacher_input", "true_labels")
+ROWS = ("x", "target", "labels", "row_weight", "target_indices", "student_input", "teacher_input", "true_labels")
 HEADS = ("weight", "bias", "student_weight", "student_bias", "teacher_weight", "teacher_bias")
 MODULES = (FusedLinearKLDivLoss, FusedLinearJSDLoss, FusedLinearCrossEntropyLoss)
 

@@ -11,12 +11,15 @@ from collections.abc import Callable
 import torch
 
 from fused_kl.checks import (
+    TEACHER_ARRAYS,
     ArrayFacts,
     Shapes,
     check_array_args,
     check_flag,
     check_int32_ignore_index,
     check_options,
+    check_teacher_arrays,
+    teacher_weight_required,
     widened_index_dtype,
 )
 from fused_kl.loss import VALUE_ARGUMENTS, Loss
@@ -206,14 +209,21 @@ def _accum_dtype_name(accum_dtype: object) -> str | None:
     return None if accum_dtype is None else _dtype_name(accum_dtype)
 
 
-def check_module_options(options: dict[str, object], with_teacher: bool = True) -> None:
+def check_module_options(options: dict[str, object], with_teacher: bool = True, teacher_head: bool = False) -> None:
     """What a module's constructor can refuse of ``options`` before any array is seen, with the
-    call's own messages: the values (``temperature=0``, ``beta=5``), ``accum_dtype``'s type and
-    the backend's name (whether it runs on the inputs' device is known at the call)."""
-    backends.check_name(options.get("backend", "auto"))
+    call's own messages: the values (``temperature=0``, ``beta=5``), ``accum_dtype``'s type, the
+    backend's name (whether it runs on the inputs' device is known at the call), a teacher array
+    the format does not use, and (``teacher_head``: the module's forward takes no teacher head) a
+    ``"hidden"`` format without its head. In the call's order, so that the first error is the
+    call's."""
     check_flag("return_row_losses", options.get("return_row_losses", False))
     checked = {k: v for k, v in options.items() if k in _OPTION_NAMES and k != "accum_dtype"}
     check_options(**checked, accum_dtype=_accum_dtype_name(options.get("accum_dtype")), with_teacher=with_teacher)
+    backends.check_name(options.get("backend", "auto"))
+    fmt = str(options.get("target_format", "probs"))
+    check_teacher_arrays(fmt, [name for name in TEACHER_ARRAYS if options.get(name) is not None])
+    if teacher_head and fmt == "hidden" and options.get("teacher_weight") is None:
+        raise teacher_weight_required()
 
 
 def _validate(
