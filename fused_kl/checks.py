@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -269,7 +269,7 @@ def _check_teacher(
         raise ValueError("target: required, got None")
     _float_array("target", target, None)
     _same_device("target", target, x)
-    check_teacher_arrays(fmt, [name for name in TEACHER_ARRAYS if arrays.get(name) is not None])
+    check_teacher_arrays(fmt, arrays)
     if fmt == "hidden":
         if len(target.shape) != len(lead) + 1 or target.shape[:-1] != lead:
             raise ValueError(
@@ -316,11 +316,12 @@ def _check_teacher(
 TEACHER_ARRAYS = {"teacher_weight": "hidden", "teacher_bias": "hidden", "target_indices": "topk_log_probs"}
 
 
-def check_teacher_arrays(fmt: str, given: Sequence[str]) -> None:
-    """Refuse a teacher array (by name, among ``given``) that ``fmt`` does not use."""
-    for name in given:
-        if fmt != TEACHER_ARRAYS[name]:
-            raise ValueError(f"{name}: only used with target_format={TEACHER_ARRAYS[name]!r}, got one with {fmt!r}")
+def check_teacher_arrays(fmt: str, given: Mapping[str, object]) -> None:
+    """Refuse a teacher array of ``given`` (arguments by name; None: not given) that ``fmt`` does
+    not use."""
+    for name, used in TEACHER_ARRAYS.items():
+        if given.get(name) is not None and fmt != used:
+            raise ValueError(f"{name}: only used with target_format={used!r}, got one with {fmt!r}")
 
 
 def teacher_weight_required() -> ValueError:

@@ -124,11 +124,6 @@ class FusedLinearJSDLoss(torch.nn.Module):
         del compiled
         self.weights = (weight_soft_loss, weight_hard_loss)
         self.return_soft_hard_loss = check_flag("return_soft_hard_loss", return_soft_hard_loss)
-        if return_soft_hard_loss and options.get("return_row_losses"):
-            raise ValueError(
-                "return_row_losses: not with return_soft_hard_loss=True (its (loss, soft, hard) takes the output); "
-                "pass one of them"
-            )
         self.options = dict(
             beta=beta,
             ignore_index=ignore_index,
@@ -143,6 +138,11 @@ class FusedLinearJSDLoss(torch.nn.Module):
             ),
         )
         check_module_options(dict(self.options, weight_soft_loss=weight_soft_loss, weight_hard_loss=weight_hard_loss))
+        if self.return_soft_hard_loss and self.options.get("return_row_losses"):
+            raise ValueError(
+                "return_row_losses: not with return_soft_hard_loss=True (its (loss, soft, hard) takes the output); "
+                "pass one of them"
+            )
 
     def forward(
         self,

@@ -11,7 +11,6 @@ from collections.abc import Callable
 import torch
 
 from fused_kl.checks import (
-    TEACHER_ARRAYS,
     ArrayFacts,
     Shapes,
     check_array_args,
@@ -221,7 +220,7 @@ def check_module_options(options: dict[str, object], with_teacher: bool = True, 
     check_options(**checked, accum_dtype=_accum_dtype_name(options.get("accum_dtype")), with_teacher=with_teacher)
     backends.check_name(options.get("backend", "auto"))
     fmt = str(options.get("target_format", "probs"))
-    check_teacher_arrays(fmt, [name for name in TEACHER_ARRAYS if options.get(name) is not None])
+    check_teacher_arrays(fmt, options)
     if teacher_head and fmt == "hidden" and options.get("teacher_weight") is None:
         raise teacher_weight_required()
 
