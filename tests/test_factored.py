@@ -124,6 +124,37 @@ def test_a_topk_teacher_matches_float64_on_rows_outside_the_window_and_flushed_t
         assert float((got.double() - ref).norm() / ref.norm()) < 1e-2
 
 
+def test_a_nan_teacher_row_that_is_ignored_leaves_the_gradients_alone():
+    """An ignored top-k row takes none of the teacher's mass ``k``: its NaN log-probabilities
+    reach neither ``alpha`` nor the gradients, which equal those of the call with finite ones
+    (a row of weight 0 beside it: no soft weight either)."""
+    rows, v, h, k = 8, 64, 16, 4
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(rows, h, generator=gen).to(torch.bfloat16)
+    w = (torch.randn(v, h, generator=gen) * 0.3).to(torch.bfloat16)
+    y = torch.randint(0, v, (rows,), generator=gen)
+    idx = torch.rand(rows, v, generator=gen).argsort(-1)[:, :k]
+    t = torch.randn(rows, v, generator=gen).log_softmax(-1).gather(1, idx)
+    y[2] = -100
+    weights = torch.ones(rows)
+    weights[5] = 0.0
+    clean = t.clone()
+    t[2] = float("nan")
+    grads = []
+    for teacher in (t, clean):
+        xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+        loss = torch_kl.fused_linear_kl_div(
+            xr, wr, teacher, y, target_format="topk_log_probs", target_indices=idx, row_weight=weights,
+            weight_hard_loss=0.5, backend="triton",
+        )  # fmt: skip
+        loss.backward()
+        assert torch.isfinite(loss)
+        grads.append((xr.grad, wr.grad))
+    for got, want in zip(*grads, strict=True):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, want)
+
+
 def test_rows_with_sparse_values_and_no_dense_part_are_zeroed():
     """``q_factor = 0`` (a top-k row whose factor K vanishes, without the hard term): ``settle`` zeroes
     the row's E and writes its top-k entries alone."""

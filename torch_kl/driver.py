@@ -111,7 +111,9 @@ def _factored_chunk(
                 lambda at, inside: factored.logits_at(z, tiles, at, inside, xc, weight, loss),
                 topk, y, (c_soft, c_hard, c_z), v0, z.shape[1], stats, loss, v_total, layout, OPS,
             )  # fmt: skip
-        q_factor = c_soft * k + (c_hard + c_z if loss.hard else 0.0)
+        # A row of no soft weight (an ignored row) takes none of k, which its NaN teacher entries
+        # would make NaN: ignored rows stay ignored whatever their values.
+        q_factor = torch.where(c_soft != 0, c_soft * k, 0.0) + (c_hard + c_z if loss.hard else 0.0)
         sparse = (at, g_at, write)
     losses = rowmath.row_losses(stats, keep, soft, row_weight, weights, loss, v_total, torch)
     if grads.x is None and grads.weight is None:
