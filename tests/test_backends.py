@@ -342,3 +342,13 @@ def test_jsd_module_logs_the_hard_part_at_any_hard_weight(hard_weight: float) ->
     module = torch_kl.FusedLinearJSDLoss(hard_weight, 1.0, 0.4, return_soft_hard_loss=True, backend="torch")
     _, _, hard = module(*args)
     assert float(hard) == pytest.approx(expected(inp, fn="cross_entropy").loss, rel=TOLERANCE["float32"])
+
+
+def test_jsd_module_logs_no_hard_part_without_labels() -> None:
+    """Without labels (a hard weight of 0) the logged hard part is 0; the soft part is the loss."""
+    inp = make_inputs(10, 6, 29, target_format="hidden", ht=5)
+    x, w, t, tw = _tensors(inp, "x", "weight", "target", "teacher_weight", grad=False)
+    module = torch_kl.FusedLinearJSDLoss(0.0, 1.0, 0.4, return_soft_hard_loss=True, backend="torch")
+    loss, soft, hard = module(x, w, t, tw, None)
+    assert float(hard) == 0.0
+    assert float(soft) == pytest.approx(float(loss), rel=1e-6)

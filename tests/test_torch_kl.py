@@ -283,6 +283,8 @@ BAD_MODULE_VALUES = [
     ("FusedLinearKLDivLoss", dict(target_format="hidden")),
     ("FusedLinearKLDivLoss", dict(teacher_weight=torch.zeros(5, 3))),
     ("FusedLinearJSDLoss", dict(target_indices=torch.zeros(2, 1, dtype=torch.long))),
+    ("FusedLinearKLDivLoss", dict(temperature=torch.tensor(0.0))),
+    ("FusedLinearJSDLoss", dict(beta=torch.tensor(2.0))),
 ]
 
 
@@ -302,6 +304,17 @@ def test_modules_refuse_at_construction_a_value_the_call_refuses(module: str, op
     with pytest.raises(by_call.type) as at_construction:
         getattr(torch_kl, module)(**options)
     assert str(at_construction.value) == str(by_call.value)
+
+
+def test_modules_take_a_0d_tensor_for_a_value_as_the_call_does() -> None:
+    x, w, t = torch.randn(4, 3), torch.randn(7, 3), torch.softmax(torch.randn(4, 7), -1)
+    lab = torch.tensor([1, 2, 3, -100])
+    kl = torch_kl.FusedLinearKLDivLoss(temperature=torch.tensor(2.0), beta=torch.tensor(0.25), backend="torch")
+    want = torch_kl.fused_linear_kl_div(x, w, t, temperature=2.0, beta=0.25, backend="torch")
+    assert float(kl(x, w, t)) == float(want)
+    ce = torch_kl.FusedLinearCrossEntropyLoss(label_smoothing=torch.tensor(0.1), backend="torch")
+    want = torch_kl.fused_linear_cross_entropy(x, w, lab, label_smoothing=0.1, backend="torch")
+    assert float(ce(x, w, lab)) == float(want)
 
 
 def test_kl_module_takes_each_batch_top_k_token_ids() -> None:

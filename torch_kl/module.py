@@ -150,7 +150,7 @@ class FusedLinearJSDLoss(torch.nn.Module):
         student_weight: torch.Tensor,
         teacher_input: torch.Tensor,
         teacher_weight: torch.Tensor,
-        true_labels: torch.Tensor,
+        true_labels: torch.Tensor | None,
         student_bias: torch.Tensor | None = None,
         teacher_bias: torch.Tensor | None = None,
         row_weight: torch.Tensor | None = None,
@@ -173,7 +173,9 @@ class FusedLinearJSDLoss(torch.nn.Module):
         with torch.no_grad():
             soft = part(1.0, 0.0, z_loss_weight=0.0)
             derived = hard_w != 0.0 and hard_w * _DERIVED_HARD_RATIO >= soft_w
-            if not derived or self.options.get("z_loss_weight", 0.0) != 0.0:
+            if true_labels is None:  # no hard term without labels (its weight is 0, or the call refused)
+                hard = torch.zeros_like(soft)
+            elif not derived or self.options.get("z_loss_weight", 0.0) != 0.0:
                 hard = part(0.0, 1.0, z_loss_weight=0.0)
             else:
                 hard = (loss.detach() - soft_w * soft) / hard_w

@@ -216,7 +216,7 @@ def check_module_options(options: dict[str, object], with_teacher: bool = True, 
     ``"hidden"`` format without its head. In the call's order, so that the first error is the
     call's."""
     check_flag("return_row_losses", options.get("return_row_losses", False))
-    checked = {k: v for k, v in options.items() if k in _OPTION_NAMES and k != "accum_dtype"}
+    checked = _values_as_floats({k: v for k, v in options.items() if k in _OPTION_NAMES and k != "accum_dtype"})
     check_options(**checked, accum_dtype=_accum_dtype_name(options.get("accum_dtype")), with_teacher=with_teacher)
     backends.check_name(options.get("backend", "auto"))
     fmt = str(options.get("target_format", "probs"))
