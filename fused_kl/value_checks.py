@@ -24,25 +24,38 @@ def target_values_checked(loss: Loss) -> bool:
 
 def value_summary(
     labels: Any | None, indices: Any | None, ignore_index: int, sort: Callable[[Any], Any], xp: Any,
-    target: Any | None = None, target_format: str = "probs", row_weight: Any | None = None,
+    target: Any | None = None, target_format: str = "probs", row_weight: Any | None = None, keep: Any | None = None,
 ) -> list:  # fmt: skip
     """What the value checks read, reduced where the arrays are (``xp``: torch or numpy; ``sort``
     sorts the last axis): the kept labels' min and max (if ``labels``), the top-k indices' min,
     max and whether a row repeats one (if ``indices``), whether ``target`` (where
-    :func:`target_values_checked`) has a value of the wrong sign: by its min or max, so no
+    :func:`target_values_checked`) has a value of the wrong sign: by each row's min or max, so no
     temporary of its size, and NaN passes (it propagates); whether a row weight is not a finite
-    number >= 0 (if ``row_weight``). :func:`check_value_summary` reads it."""
+    number >= 0 (if ``row_weight``). ``keep``, one bool a row (the rows whose label is not
+    ``ignore_index``; None: every row), limits the indices', teacher's and row weights' checks to
+    the kept rows: an ignored row stays ignored whatever its values, as where the values go
+    unchecked (``fused_kl.rowmath.invalid_rows``). :func:`check_value_summary` reads it."""
+
+    def kept(bad: Any) -> Any:
+        return bad if keep is None else bad & keep
+
     parts = []
     if labels is not None:
-        kept = xp.where(labels != ignore_index, labels, 0)
-        parts += [kept.min(), kept.max()]
+        kept_labels = xp.where(labels != ignore_index, labels, 0)
+        parts += [kept_labels.min(), kept_labels.max()]
     if indices is not None:
         ordered = sort(indices.reshape(-1, indices.shape[-1]))
-        parts += [ordered[:, 0].min(), ordered[:, -1].max(), (ordered[:, 1:] == ordered[:, :-1]).any()]
+        lo, hi = ordered[:, 0], ordered[:, -1]
+        if keep is not None:
+            lo, hi = xp.where(keep, lo, 0), xp.where(keep, hi, 0)
+        parts += [lo.min(), hi.max(), kept((ordered[:, 1:] == ordered[:, :-1]).any(-1)).any()]
     if target is not None:
-        parts.append(target.min() < 0 if target_format == "probs" else target.max() > 0)
+        rows = target.reshape(-1, target.shape[-1])
+        wrong = xp.amin(rows, -1) < 0 if target_format == "probs" else xp.amax(rows, -1) > 0
+        parts.append(kept(wrong).any())
     if row_weight is not None:
-        parts.append(~((row_weight >= 0) & (row_weight < float("inf"))).all())
+        weights = row_weight.reshape(-1)
+        parts.append(kept(~((weights >= 0) & (weights < float("inf")))).any())
     return parts
 
 

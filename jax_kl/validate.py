@@ -71,6 +71,7 @@ def check_values(
         np.asarray(target) if check_target else None,
         loss.teacher.format if check_target else "probs",  # type: ignore[union-attr]
         np.asarray(row_weight) if check_weights else None,
+        None if not _concrete(labels) else (np.asarray(labels) != loss.ignore_index).reshape(-1),
     )
     check_value_summary(
         [int(p) for p in parts], loss, check_labels, check_indices, v_total, check_target, check_weights

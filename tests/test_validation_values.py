@@ -169,9 +169,47 @@ def test_two_names_of_one_backend_give_the_same_bits(name: str, same_as: str) ->
 
 WRONG_SIGN = {  # (make_inputs keywords, the entry, its value, the message)
     "negative probability": (dict(), (2, 3), -1e-3, "expected probabilities >= 0"),
-    "top-k log-probability above 0": (dict(target_format="topk_log_probs", k=3), (4, 1), 0.25,
+    "top-k log-probability above 0": (dict(target_format="topk_log_probs", k=3), (3, 1), 0.25,
                                       "expected log-probabilities <= 0"),
 }
+
+
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+@pytest.mark.parametrize("case", ["probability", "top-k log-probability", "top-k index", "row weight"])
+def test_an_ignored_row_is_not_value_checked(framework: str, case: str) -> None:
+    """An ignored row stays ignored whatever its values: a wrong-signed teacher entry, a repeated
+    top-k id or a negative row weight there is not refused, and the call equals the one with that
+    row's values made valid."""
+    topk = case.startswith("top-k")
+    inp = make_inputs(6, 4, 11, **(dict(target_format="topk_log_probs", k=3) if topk else {}))
+    row = int(np.flatnonzero(inp.labels == -100)[0])
+    weights = np.ones(6, np.float32)
+    bad_target, bad_indices, bad_weights = inp.target.copy(), inp.target_indices, weights.copy()
+    if case == "probability":
+        bad_target[row, 3] = -1e-3
+    elif case == "top-k log-probability":
+        bad_target[row, 1] = 0.25
+    elif case == "top-k index":
+        bad_indices = inp.target_indices.copy()
+        bad_indices[row, 1] = bad_indices[row, 0]
+    else:
+        bad_weights[row] = -1.0
+    results = []
+    for target, indices, w in ((bad_target, bad_indices, bad_weights), (inp.target, inp.target_indices, weights)):
+        if framework == "torch":
+            args = [torch.as_tensor(a) for a in (inp.x, inp.weight, target, inp.labels)]
+            extra = {} if indices is None else dict(target_indices=torch.as_tensor(indices))
+            loss = torch_kl.fused_linear_kl_div(
+                *args, target_format=inp.target_format, row_weight=torch.as_tensor(w), backend="torch", **extra
+            )  # fmt: skip
+        else:
+            args = [jnp.asarray(a) for a in (inp.x, inp.weight, target, inp.labels)]
+            extra = {} if indices is None else dict(target_indices=jnp.asarray(indices))
+            loss = jax_kl.fused_linear_kl_div(
+                *args, target_format=inp.target_format, row_weight=jnp.asarray(w), backend="xla", **extra
+            )  # fmt: skip
+        results.append(float(loss))
+    assert math.isfinite(results[0]) and results[0] == pytest.approx(results[1], rel=1e-6)
 
 
 @pytest.mark.parametrize("framework", ["torch", "jax"])
@@ -314,3 +352,23 @@ def test_numpy_scalars_are_numbers(framework: str) -> None:
     inp = make_inputs(7, 4, 13, target_format="logits")
     backend = "torch/torch" if framework == "torch" else "jax/xla"
     assert run(backend, inp, grads=False, **numpy).loss == run(backend, inp, grads=False, **plain).loss
+
+
+@pytest.mark.parametrize("target_format", ["probs", "topk_log_probs"])
+def test_an_8bit_float_teacher_and_row_weight_are_value_checked(target_format: str) -> None:
+    """The eager checks read an 8-bit float teacher and row weights (torch reduces no 8-bit float on
+    the CPU): the call equals the one on their float32 values, and a wrong sign is refused."""
+    inp = make_inputs(6, 4, 11, **(dict(target_format="topk_log_probs", k=3) if target_format != "probs" else {}))
+    a = {k: torch.as_tensor(getattr(inp, k)) for k in ("x", "weight", "target", "labels")}
+    extra = {} if inp.target_indices is None else dict(target_indices=torch.as_tensor(inp.target_indices))
+    f8 = torch.float8_e4m3fn
+    target, weights = a.pop("target").to(f8), torch.rand(6).to(f8)
+    args = (a["x"], a["weight"])
+    common = dict(target_format=target_format, backend="torch", **extra)
+    got = torch_kl.fused_linear_kl_div(*args, target, a["labels"], row_weight=weights, **common)
+    want = torch_kl.fused_linear_kl_div(*args, target.float(), a["labels"], row_weight=weights.float(), **common)
+    assert float(got) == float(want)
+    kept = int(np.flatnonzero(inp.labels != -100)[0])
+    target[kept, 0] = -0.25 if target_format == "probs" else 0.25
+    with pytest.raises(ValueError, match=r"^target: expected"):
+        torch_kl.fused_linear_kl_div(*args, target, a["labels"], **common)

@@ -297,7 +297,7 @@ BAD = {
     "target_indices out of range": Bad(ValueError, "target_indices", _topk(target_indices=_indices(
         [[0, 1, 2], [4, 3, 2], [1, 3, V], [2, 4, 1]])), on_values=True, contains=(str(V),)),
     "target_indices negative": Bad(ValueError, "target_indices", _topk(target_indices=_indices(
-        [[0, 1, 2], [4, -3, 2], [1, 3, 0], [2, 4, 1]])), on_values=True, contains=("-3",)),
+        [[0, 1, 2], [4, 3, 2], [1, -3, 0], [2, 4, 1]])), on_values=True, contains=("-3",)),
     "target_indices duplicated": Bad(ValueError, "target_indices", _topk(target_indices=_indices(
         [[0, 1, 2], [4, 3, 2], [1, 3, 1], [2, 4, 1]])), on_values=True, contains=("distinct",)),
     # ---- the hard term

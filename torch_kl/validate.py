@@ -79,6 +79,14 @@ def _concrete() -> bool:
     return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
+def _comparable(a: torch.Tensor | None) -> torch.Tensor:
+    """``a`` detached, an 8-bit float one as float16 (exactly: torch reduces and compares no 8-bit
+    float on the CPU)."""
+    assert a is not None
+    a = a.detach()
+    return a.to(torch.float16) if a.is_floating_point() and a.element_size() == 1 else a
+
+
 def check_values(
     loss: Loss, labels: torch.Tensor | None, indices: torch.Tensor | None, v_total: int,
     target: torch.Tensor | None = None, row_weight: torch.Tensor | None = None,
@@ -99,15 +107,17 @@ def check_values(
     check_weights = row_weight is not None and row_weight.numel() > 0
     check_indices = indices is not None and indices.numel() > 0
     check_target = target_values_checked(loss) and target is not None and target.numel() > 0
+    keep = None if labels is None else (labels != loss.ignore_index).reshape(-1)
     parts = value_summary(
         labels if check_labels else None,
         indices if check_indices else None,
         loss.ignore_index,
         lambda a: a.sort(-1).values,
         torch,
-        target.detach() if check_target else None,  # type: ignore[union-attr]
+        _comparable(target) if check_target else None,
         loss.teacher.format if check_target else "probs",  # type: ignore[union-attr]
-        row_weight.detach() if check_weights else None,  # type: ignore[union-attr]
+        _comparable(row_weight) if check_weights else None,
+        keep,
     )
     if not parts:
         return None
