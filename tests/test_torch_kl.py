@@ -200,6 +200,20 @@ def test_autocast_runs_the_head_in_bf16(backend: str) -> None:
     assert_matches(out, bf16, beta=0.5)
 
 
+def test_autocast_takes_a_float32_head_beside_bf16_activations() -> None:
+    """The mix autocast makes (a float32 head, the body's bfloat16 output) runs as ``nn.Linear``
+    would run it: both in bfloat16; the head's gradient float32, its own dtype."""
+    x, w, p = torch.randn(6, 8).bfloat16(), torch.randn(13, 8), torch.softmax(torch.randn(6, 13), -1)
+    wr = w.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = torch_kl.fused_linear_kl_div(x, wr, p, backend="torch")
+        want = torch_kl.fused_linear_kl_div(x, w.bfloat16(), p, backend="torch")
+    loss.backward()
+    assert float(loss) == float(want) and wr.grad.dtype == torch.float32
+    with pytest.raises(TypeError, match="^weight: expected the dtype of x"):
+        torch_kl.fused_linear_kl_div(x, w, p, backend="torch")  # outside autocast, refused as before
+
+
 def test_auto_backend_on_cpu_is_torch() -> None:
     assert torch_kl.backends.resolve("auto", torch.device("cpu")).name == "torch"
 

@@ -18,13 +18,17 @@ from .teachers import TeacherArrays
 from .validate import validate, widen_indices
 
 
-def _autocast(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
-    """Under ``torch.autocast``, run the head in the autocast dtype, as ``nn.Linear`` would."""
-    kind = x.device.type
-    if not torch.is_autocast_enabled(kind):
-        return x, weight, bias
-    dtype = torch.get_autocast_dtype(kind)
-    return x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
+def _autocast(arrays: dict[str, Any]) -> dict[str, Any]:
+    """Under ``torch.autocast``, ``arrays`` with the head's floating inputs (``x``, ``weight``,
+    ``bias``) in the autocast dtype, as ``nn.Linear`` would run them; before the checks, so that the
+    mix autocast allows (a float32 head beside bfloat16 activations) is not refused."""
+    x = arrays.get("x")
+    if not isinstance(x, torch.Tensor) or not torch.is_autocast_enabled(x.device.type):
+        return arrays
+    dtype = torch.get_autocast_dtype(x.device.type)
+    cast = {k: a.to(dtype) for k in ("x", "weight", "bias") if isinstance(a := arrays.get(k), torch.Tensor)
+            and a.is_floating_point()}  # fmt: skip
+    return arrays | cast
 
 
 def _run(
@@ -41,9 +45,10 @@ def _run(
 def _loss_and_rows(
     arrays: dict[str, Any], layout: Layout, with_teacher: bool, options: dict[str, Any]
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    arrays = _autocast(arrays)
     shapes, loss, run, backend, wait = validate(arrays, layout, with_teacher=with_teacher, **options)
     arrays = widen_indices(arrays)  # after the checks, which see the caller's dtypes
-    x, weight, bias = _autocast(arrays["x"], arrays["weight"], arrays["bias"])
+    x, weight, bias = arrays["x"], arrays["weight"], arrays["bias"]
     n = shapes.n
     x2 = x.reshape(n, shapes.h)
     target = arrays.get("target")
