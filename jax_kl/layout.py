@@ -42,7 +42,12 @@ class Layout:
         """The whole row's ``STATS`` from each vocabulary slice's."""
         if self.vocab_axis is None:
             return stats
-        return rowmath.combine_stats(stats, lambda a: lax.pmax(a, self.vocab_axis), self.vocab_sum, jnp)
+        return rowmath.combine_stats(stats, self._shift, self.vocab_sum, jnp)
+
+    def _shift(self, a: jax.Array) -> jax.Array:
+        # The max only shifts the exponentials (the combined statistics do not depend on it), and
+        # pmax has no derivative rule: without its gradient, second derivatives differentiate too.
+        return lax.pmax(lax.stop_gradient(a), self.vocab_axis)
 
 
 SINGLE = Layout()

@@ -231,6 +231,28 @@ def _auto_as_on_gpu() -> None:
 CASES["auto_as_on_gpu[bv]"] = _auto_as_on_gpu
 
 
+def _hessian_vocab_sharded() -> None:
+    """The ``"xla"`` backend's second derivatives with the vocabulary sharded (``mesh=``): the
+    slices' statistics combine through a max that only shifts, so they differentiate again and
+    equal the single-device Hessian."""
+    p = problem("logits", bias=True)
+    mesh = _mesh()
+
+    def loss(bias, **layout):
+        return jax_kl.fused_linear_kl_div(
+            p["x"], p["weight"], p["target"], p["labels"], bias=bias, target_format="logits",
+            weight_hard_loss=0.5, backend="xla", chunk_size=8, **layout,
+        )  # fmt: skip
+
+    want = jax.hessian(loss)(p["bias"])
+    bias = jax.device_put(p["bias"], NamedSharding(mesh, P("v")))
+    got = jax.jit(jax.hessian(lambda b: loss(b, mesh=mesh, batch_axis="b", vocab_axis="v")))(bias)
+    close("hessian", got, want)
+
+
+CASES["hessian_vocab_sharded[bv]"] = _hessian_vocab_sharded
+
+
 def _raises(fn: Callable, *needles: str) -> None:
     try:
         fn()
