@@ -210,7 +210,7 @@ def test_autocast_takes_a_float32_head_beside_bf16_activations() -> None:
         want = torch_kl.fused_linear_kl_div(x, w.bfloat16(), p, backend="torch")
     loss.backward()
     assert float(loss) == float(want) and wr.grad.dtype == torch.float32
-    with pytest.raises(TypeError, match="^weight: expected the dtype of x"):
+    with pytest.raises(TypeError, match=r"^weight: expected the dtype of x"):
         torch_kl.fused_linear_kl_div(x, w, p, backend="torch")  # outside autocast, refused as before
 
 
