@@ -52,30 +52,47 @@ def _concrete(a: object) -> bool:
     return a is not None and not isinstance(a, jax.core.Tracer)
 
 
+def _check_fits_int32(name: str, a: object) -> None:
+    """Without ``jax_enable_x64`` JAX holds integers as int32: refuse numpy ids that would wrap (a
+    label wrapped onto ``ignore_index`` would silently drop its row)."""
+    if jax.config.jax_enable_x64 or not isinstance(a, np.ndarray) or a.dtype.kind not in "iu" or not a.size:
+        return
+    info = np.iinfo(np.int32)
+    lo, hi = int(a.min()), int(a.max())
+    if lo < info.min or hi > info.max:
+        bad = lo if lo < info.min else hi
+        raise ValueError(f"{name}: expected values that fit int32 (JAX's integers without jax_enable_x64), got {bad}")
+
+
 def check_values(
     loss: Loss, labels: object, indices: object, v_total: int, target: object = None, row_weight: object = None
 ) -> None:
     """Value checks of labels (hard term), top-k indices, row weights and the teacher's sign
     (``fused_kl.value_checks.target_values_checked``) where the values are concrete (outside ``jit``);
     under ``jit`` a bad row's loss is NaN instead, and the teacher's values are not checked."""
+    _check_fits_int32("labels", labels)
+    _check_fits_int32("target_indices", indices)
     check_labels = bool(loss.cross_entropy and _concrete(labels) and np.size(labels))
     check_weights = bool(_concrete(row_weight) and np.size(row_weight))
     check_indices = bool(_concrete(indices) and np.size(indices))
     check_target = bool(target_values_checked(loss) and _concrete(target) and np.size(target))
-    parts = value_summary(
-        np.asarray(labels) if check_labels else None,
-        np.asarray(indices) if check_indices else None,
-        loss.ignore_index,
-        lambda a: np.sort(a, axis=-1),
-        np,
-        np.asarray(target) if check_target else None,
-        loss.teacher.format if check_target else "probs",  # type: ignore[union-attr]
-        np.asarray(row_weight) if check_weights else None,
-        None if not _concrete(labels) else (np.asarray(labels) != loss.ignore_index).reshape(-1),
-    )
-    check_value_summary(
-        [int(p) for p in parts], loss, check_labels, check_indices, v_total, check_target, check_weights
-    )  # fmt: skip
+    # Reduced where the arrays are (a GPU teacher is not copied to the host), then one transfer;
+    # evaluated now even where a jit traces around concrete arrays.
+    with jax.ensure_compile_time_eval():
+        parts = value_summary(
+            jnp.asarray(labels) if check_labels else None,
+            jnp.asarray(indices) if check_indices else None,
+            loss.ignore_index,
+            lambda a: jnp.sort(a, axis=-1),
+            jnp,
+            jnp.asarray(target) if check_target else None,
+            loss.teacher.format if check_target else "probs",  # type: ignore[union-attr]
+            jnp.asarray(row_weight) if check_weights else None,
+            None if not _concrete(labels) else (jnp.asarray(labels) != loss.ignore_index).reshape(-1),
+        )
+        summary = jnp.stack([jnp.asarray(part).astype(jnp.int32) for part in parts]) if parts else None
+    values = [] if summary is None else np.asarray(summary).tolist()
+    check_value_summary(values, loss, check_labels, check_indices, v_total, check_target, check_weights)
 
 
 # What stands in the static ``Loss`` for a traced value: the general case of every static decision

@@ -372,3 +372,16 @@ def test_an_8bit_float_teacher_and_row_weight_are_value_checked(target_format: s
     target[kept, 0] = -0.25 if target_format == "probs" else 0.25
     with pytest.raises(ValueError, match=r"^target: expected"):
         torch_kl.fused_linear_kl_div(*args, target, a["labels"], **common)
+
+
+def test_jax_refuses_numpy_ids_that_would_wrap_to_int32() -> None:
+    """Without ``jax_enable_x64`` JAX's integers are int32: an int64 label past it would wrap (onto
+    ``ignore_index``, silently dropping its row), so it is refused, as a wrapping top-k id is."""
+    inp = make_inputs(4, 3, 7, target_format="logits")
+    args = [jnp.asarray(a) for a in (inp.x, inp.weight, inp.target)]
+    labels = inp.labels.astype(np.int64)
+    labels[0] = 2**32 - 100
+    with pytest.raises(ValueError, match=r"^labels: expected values that fit int32 .* got 4294967196"):
+        jax_kl.fused_linear_kl_div(*args, labels, target_format="logits")
+    labels[0] = 1
+    assert math.isfinite(float(jax_kl.fused_linear_kl_div(*args, labels, target_format="logits")))
