@@ -2,7 +2,8 @@
 
 ``nnx.Linear(H, V)`` stores its kernel as ``[H, V]``: the loss wants its transpose, which under
 ``jit`` folds into the loss's GEMMs (no copy). A tied head is the ``nnx.Embed`` table, already
-``[V, H]``. Gradients flow through both to the module's parameters, so ``nnx.grad`` of a loss built on
+``[V, H]``. An ``nnx.LoRALinear`` head's adapter is folded into the kernel (``W + A B``).
+Gradients flow through each to the module's parameters, so ``nnx.grad`` of a loss built on
 :func:`head_params` updates the head.
 
 Import it as ``jax_kl.flax``: ``import jax_kl`` does not import Flax.
@@ -34,8 +35,16 @@ def head_params(head: nnx.Module) -> HeadParams:
         head = _lm_head_of(head)
     if isinstance(head, nnx.Embed):
         return HeadParams(head.embedding[...], None)
+    kernel = head.kernel[...]
+    if isinstance(head, nnx.LoRALinear):  # its adapter joins the kernel: x W + x A B = x (W + A B)
+        kernel = kernel + head.lora.lora_a[...] @ head.lora.lora_b[...]
+    elif type(head).__call__ is not nnx.Linear.__call__:
+        raise TypeError(
+            f"head: a {type(head).__name__} computes its own output, which its kernel alone may not give; "
+            "pass its [V, H] weight to the loss directly"
+        )
     bias = None if head.bias is None else head.bias[...]
-    return HeadParams(head.kernel[...].T, bias)
+    return HeadParams(kernel.T, bias)
 
 
 def _lm_head_of(model: object) -> nnx.Linear | nnx.Embed:

@@ -84,6 +84,41 @@ def test_loss_gradient_reaches_the_linear_kernel_and_bias() -> None:
     assert float(jnp.abs(grads.bias[...]).max()) > 0
 
 
+def test_a_lora_head_folds_its_adapter_and_trains_it() -> None:
+    """``nnx.LoRALinear``: the loss sees ``W + A B`` (the head's own output), and the adapter's
+    gradients are the unfused loss's."""
+    head = nnx.LoRALinear(H, V, lora_rank=2, rngs=nnx.Rngs(0))
+    head.lora.lora_b[...] = jnp.asarray(np.random.default_rng(2).normal(size=(2, V)), jnp.float32)
+    h = _hidden()
+    weight, bias = head_params(head)
+    np.testing.assert_allclose(h @ weight.T + bias, head(h), rtol=1e-5, atol=1e-5)
+    teacher = jax.nn.softmax(jnp.asarray(np.random.default_rng(1).normal(size=(6, V)), jnp.float32), -1)
+
+    def fused(head: nnx.LoRALinear) -> jax.Array:
+        weight, bias = head_params(head)
+        return jax_kl.fused_linear_kl_div(h, weight, teacher, bias=bias)
+
+    def unfused(head: nnx.LoRALinear) -> jax.Array:
+        with jax.default_matmul_precision("highest"):
+            log_q = jax.nn.log_softmax(head(h), -1)
+        return jnp.sum(teacher * (jnp.log(teacher) - log_q)) / h.shape[0]
+
+    grads, expected = nnx.grad(fused)(head), nnx.grad(unfused)(head)
+    for name in ("lora_a", "lora_b"):
+        got, want = getattr(grads.lora, name)[...], getattr(expected.lora, name)[...]
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+        assert float(jnp.abs(got).max()) > 0
+
+
+def test_a_linear_subclass_with_its_own_output_is_refused() -> None:
+    class Scaled(nnx.Linear):
+        def __call__(self, x: jax.Array) -> jax.Array:
+            return 2.0 * super().__call__(x)
+
+    with pytest.raises(TypeError, match=r"^head: a Scaled computes its own output"):
+        head_params(Scaled(H, V, rngs=nnx.Rngs(0)))
+
+
 def test_head_params_is_a_named_pair() -> None:
     params = head_params(nnx.Linear(H, V, rngs=nnx.Rngs(0)))
     assert isinstance(params, HeadParams) and params.weight is params[0] and params.bias is params[1]
