@@ -52,6 +52,25 @@ def _concrete(a: object) -> bool:
     return a is not None and not isinstance(a, jax.core.Tracer)
 
 
+def _check_no_explicit_axes(arrays: dict[str, object]) -> None:
+    """A call without ``mesh=`` takes whole arrays: one sharded over a mesh's explicit axes (the
+    default of ``jax.make_mesh`` in recent JAX) would fail inside a GEMM, so it is refused here."""
+    for name, a in arrays.items():
+        try:
+            sharding = jax.typeof(a).sharding
+        except (AttributeError, TypeError):  # not an array, or a JAX without typed shardings
+            continue
+        explicit = set(getattr(getattr(sharding, "mesh", None), "explicit_axes", ()) or ())
+        spec = getattr(sharding, "spec", ())
+        used = [axis for entry in spec for axis in (entry if isinstance(entry, tuple) else (entry,))]
+        sharded = sorted(axis for axis in used if axis in explicit)
+        if sharded:
+            raise ValueError(
+                f"{name}: sharded over the mesh's explicit axes {sharded}; pass mesh= (with batch_axis / vocab_axis) "
+                "for a sharded call, or replicate it"
+            )
+
+
 def _check_fits_int32(name: str, a: object) -> None:
     """Without ``jax_enable_x64`` JAX holds integers as int32: refuse numpy ids that would wrap (a
     label wrapped onto ``ignore_index`` would silently drop its row)."""
@@ -186,6 +205,8 @@ def validate(
     weight = arrays.get("weight")
     v_total = weight.shape[0] * vocab_shards if hasattr(weight, "shape") and len(weight.shape) == 2 else None
     shapes = check_array_args(facts, loss, v_total, **arrays)
+    if single_device:
+        _check_no_explicit_axes(arrays)
     if chosen.single_device and not single_device:
         raise ValueError(
             f"backend: {backend!r} runs on one device; mesh, batch_axis and vocab_axis need 'pallas', "

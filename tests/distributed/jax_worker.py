@@ -285,6 +285,13 @@ def _validation() -> None:
         pallas = jax.shard_map(lambda a, name=name: loss_fn("probs", dict(backend=name))(a, batch_axis="b"),
                                mesh=mesh, in_specs=(sp,), out_specs=P(), check_vma=True)  # fmt: skip
         _raises(lambda pallas=pallas: pallas(p), f"backend: {name!r}", "check_vma=False")
+    if hasattr(jax.sharding, "AxisType"):  # a mesh of explicit axes: its arrays need mesh=
+        explicit = jax.make_mesh(mesh.devices.shape, ("b", "v"), axis_types=(jax.sharding.AxisType.Explicit,) * 2,
+                                 devices=mesh.devices.reshape(-1))  # fmt: skip
+        rows = {k: jax.device_put(a, NamedSharding(explicit, P("b") if k in ("x", "target", "labels") else P()))
+                for k, a in p.items()}  # fmt: skip
+        _raises(lambda: f(rows), "x:", "explicit axes ['b']", "mesh=")
+        close("explicit mesh=", f(rows, mesh=explicit, batch_axis="b"), f(p))
 
 
 CASES["validation"] = _validation
