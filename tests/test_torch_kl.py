@@ -320,6 +320,12 @@ def test_modules_refuse_at_construction_a_value_the_call_refuses(module: str, op
     assert str(at_construction.value) == str(by_call.value)
 
 
+@pytest.mark.parametrize("group", ["batch_group", "vocab_group"])
+def test_modules_refuse_at_construction_a_group_that_is_not_a_process_group(group: str) -> None:
+    with pytest.raises(TypeError, match=rf"^{group}: expected a torch.distributed ProcessGroup, got int"):
+        torch_kl.FusedLinearKLDivLoss(**{group: 3})
+
+
 def test_modules_take_a_0d_tensor_for_a_value_as_the_call_does() -> None:
     x, w, t = torch.randn(4, 3), torch.randn(7, 3), torch.softmax(torch.randn(4, 7), -1)
     lab = torch.tensor([1, 2, 3, -100])

@@ -25,6 +25,14 @@ FACTS = ("failed", "N", "H", "V", "teacher size", "call")
 _ARGUMENT = {"N": "x", "H": "x", "V": "weight", "teacher size": "target"}
 
 
+def check_group_type(name: str, group: object) -> None:
+    """``group`` is None or a ``torch.distributed`` process group: what can be checked before
+    ``init_process_group`` (a module's constructor)."""
+    dist = _dist()
+    if group is not None and dist.is_available() and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"{name}: expected a torch.distributed ProcessGroup, got {type(group).__name__}")
+
+
 @dataclass(frozen=True)
 class Layout:
     batch_group: Any = None
@@ -61,8 +69,7 @@ class Layout:
             dist = _dist()
             if not dist.is_available() or not dist.is_initialized():
                 raise ValueError(f"{name}: torch.distributed is not initialised (call init_process_group first)")
-            if not isinstance(group, dist.ProcessGroup):
-                raise TypeError(f"{name}: expected a torch.distributed ProcessGroup, got {type(group).__name__}")
+            check_group_type(name, group)
         if self.batch_group is not None and self.batch_group is self.vocab_group:
             raise ValueError("batch_group, vocab_group: expected two different groups, got the same one for both")
 

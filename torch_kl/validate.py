@@ -27,7 +27,7 @@ from fused_kl.value_checks import check_value_summary, target_values_checked, va
 
 from . import backends
 from .backends import Backend
-from .layout import Layout
+from .layout import Layout, check_group_type
 
 _OPTION_NAMES = set(inspect.signature(check_options).parameters) - {"with_teacher"}
 
@@ -221,7 +221,8 @@ def _accum_dtype_name(accum_dtype: object) -> str | None:
 def check_module_options(options: dict[str, object], with_teacher: bool = True, teacher_head: bool = False) -> None:
     """What a module's constructor can refuse of ``options`` before any array is seen, with the
     call's own messages: the values (``temperature=0``, ``beta=5``), ``accum_dtype``'s type, the
-    backend's name (whether it runs on the inputs' device is known at the call), a teacher array
+    backend's name (whether it runs on the inputs' device is known at the call), a group that is
+    not a process group (whether ``torch.distributed`` is initialised is known at the call), a teacher array
     the format does not use, and (``teacher_head``: the module's forward takes no teacher head) a
     ``"hidden"`` format without its head. In the call's order, so that the first error is the
     call's."""
@@ -229,6 +230,8 @@ def check_module_options(options: dict[str, object], with_teacher: bool = True, 
     checked = _values_as_floats({k: v for k, v in options.items() if k in _OPTION_NAMES and k != "accum_dtype"})
     check_options(**checked, accum_dtype=_accum_dtype_name(options.get("accum_dtype")), with_teacher=with_teacher)
     backends.check_name(options.get("backend", "auto"))
+    for group in ("batch_group", "vocab_group"):
+        check_group_type(group, options.get(group))
     fmt = str(options.get("target_format", "probs"))
     check_teacher_arrays(fmt, options)
     if teacher_head and fmt == "hidden" and options.get("teacher_weight") is None:
