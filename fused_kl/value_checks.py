@@ -23,25 +23,25 @@ def target_values_checked(loss: Loss) -> bool:
 
 
 def value_summary(
-    labels: Any | None, indices: Any | None, ignore_index: int, sort: Callable[[Any], Any], xp: Any,
-    target: Any | None = None, target_format: str = "probs", row_weight: Any | None = None, keep: Any | None = None,
+    labels: Any | None, indices: Any | None, keep: Any | None, sort: Callable[[Any], Any], xp: Any,
+    target: Any | None = None, target_format: str = "probs", row_weight: Any | None = None,
 ) -> list:  # fmt: skip
     """What the value checks read, reduced where the arrays are (``xp``: torch or numpy; ``sort``
-    sorts the last axis): the kept labels' min and max (if ``labels``), the top-k indices' min,
-    max and whether a row repeats one (if ``indices``), whether ``target`` (where
+    sorts the last axis). ``keep``, one bool a row (the rows whose label is not ``ignore_index``;
+    None without labels: every row), limits every check to the kept rows: an ignored row stays
+    ignored whatever its values, as where the values go unchecked (``fused_kl.rowmath.invalid_rows``).
+    The parts: the kept labels' min and max (if ``labels``, with ``keep``), the top-k indices'
+    min, max and whether a row repeats one (if ``indices``), whether ``target`` (where
     :func:`target_values_checked`) has a value of the wrong sign: by each row's min or max, so no
     temporary of its size, and NaN passes (it propagates); whether a row weight is not a finite
-    number >= 0 (if ``row_weight``). ``keep``, one bool a row (the rows whose label is not
-    ``ignore_index``; None: every row), limits the indices', teacher's and row weights' checks to
-    the kept rows: an ignored row stays ignored whatever its values, as where the values go
-    unchecked (``fused_kl.rowmath.invalid_rows``). :func:`check_value_summary` reads it."""
+    number >= 0 (if ``row_weight``). :func:`check_value_summary` reads it."""
 
     def kept(bad: Any) -> Any:
         return bad if keep is None else bad & keep
 
     parts = []
     if labels is not None:
-        kept_labels = xp.where(labels != ignore_index, labels, 0)
+        kept_labels = xp.where(keep, labels.reshape(-1), 0)
         parts += [kept_labels.min(), kept_labels.max()]
     if indices is not None:
         ordered = sort(indices.reshape(-1, indices.shape[-1]))

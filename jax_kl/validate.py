@@ -98,16 +98,16 @@ def check_values(
     # Reduced where the arrays are (a GPU teacher is not copied to the host), then one transfer;
     # evaluated now even where a jit traces around concrete arrays.
     with jax.ensure_compile_time_eval():
+        labels = jnp.asarray(labels) if _concrete(labels) else None
         parts = value_summary(
-            jnp.asarray(labels) if check_labels else None,
+            labels if check_labels else None,
             jnp.asarray(indices) if check_indices else None,
-            loss.ignore_index,
+            None if labels is None else (labels != loss.ignore_index).reshape(-1),
             lambda a: jnp.sort(a, axis=-1),
             jnp,
             jnp.asarray(target) if check_target else None,
             loss.teacher.format if check_target else "probs",  # type: ignore[union-attr]
             jnp.asarray(row_weight) if check_weights else None,
-            None if not _concrete(labels) else (jnp.asarray(labels) != loss.ignore_index).reshape(-1),
         )
         summary = jnp.stack([jnp.asarray(part).astype(jnp.int32) for part in parts]) if parts else None
     values = [] if summary is None else np.asarray(summary).tolist()

@@ -111,13 +111,12 @@ def check_values(
     parts = value_summary(
         labels if check_labels else None,
         indices if check_indices else None,
-        loss.ignore_index,
+        keep,
         lambda a: a.sort(-1).values,
         torch,
         _comparable(target) if check_target else None,
         loss.teacher.format if check_target else "probs",  # type: ignore[union-attr]
         _comparable(row_weight) if check_weights else None,
-        keep,
     )
     if not parts:
         return None
