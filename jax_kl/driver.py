@@ -21,6 +21,7 @@ from fused_kl.loss import Loss
 from fused_kl.options import Needs, RunOptions
 from fused_kl.plan import plan_chunks
 
+from . import factored as jax_factored
 from . import gemm, teachers
 from .layout import Layout
 from .ops import OPS
@@ -66,6 +67,7 @@ def forward(
         OPS.sort, jnp,
     )  # fmt: skip
     accum = jnp.dtype(run.accum_dtype) if run.accum_dtype else weight.dtype
+    factors = backend.factored is not None and jax_factored.takes(x, bias, loss, layout)
     one_array = gemm.single_array(v, h, vocab_cols, plan.bounds, x.dtype, accum, backend.in_place_grad_weight)
     row_losses, own_losses = [], []
     # Each chunk's rows of grad_x are written into one [N, H] buffer, as torch_kl's driver does:
@@ -101,17 +103,28 @@ def forward(
         parts = tuple(
             VocabPart(z, t, c.start, backend.chunk_phases(z, t)) for z, t, c in zip(zs, ts, vocab_cols, strict=True)
         )
-        gs, label, row_loss, own_loss = row_phases(
-            parts, y, kept_rows, rw, row_scales, topk, v0, v_total, weights, loss, layout, plan.tile, needs.any, OPS,
-            label_apart=backend.label_apart,
-        )  # fmt: skip
+        alpha, x_w = None, xc  # a factored chunk's row scale and what grad_weight's GEMM reads with E
+        if factors and len(zs) == 1 and backend.factors(zs[0]):
+            (row_loss, own_loss), fac = jax_factored.chunk(
+                zs[0], xc, weight, y, kept_rows, rw, row_scales, v0, v_total, weights, loss, layout, needs.any,
+                backend.factored,
+            )  # fmt: skip
+            gs, label = (None, None) if fac is None else ((fac.e,), fac.label)
+            if fac is not None:
+                alpha, x_w = fac.alpha, fac.scaled_rows(xc) if needs.weight else xc
+        else:
+            gs, label, row_loss, own_loss = row_phases(
+                parts, y, kept_rows, rw, row_scales, topk, v0, v_total, weights, loss, layout, plan.tile, needs.any,
+                OPS, label_apart=backend.label_apart,
+            )  # fmt: skip
         row_losses.append(row_loss)
         own_losses.append(own_loss)
         done = row_loss
         if needs.x:
-            grad_x = lax.dynamic_update_slice(grad_x, gemm.grad_x(gs, weight, x.dtype, vocab_cols, label), (start, 0))
+            product = gemm.grad_x(gs, weight, x.dtype, vocab_cols, label, alpha)
+            grad_x = lax.dynamic_update_slice(grad_x, product, (start, 0))
         if needs.weight:
-            grad_ws = gemm.accumulate(grad_ws, gs, xc, accum, backend.in_place_grad_weight, one_array)
+            grad_ws = gemm.accumulate(grad_ws, gs, x_w, accum, backend.in_place_grad_weight, one_array)
             if label is not None:
                 labels.append(label)
         if needs.bias:

@@ -54,13 +54,21 @@ def logits(xc: jax.Array, weight: jax.Array, bias: jax.Array | None, dtype, part
 
 
 def grad_x(
-    gs: Sequence[jax.Array], weight: jax.Array, dtype, parts: Sequence[slice], label: LabelTerm | None = None
+    gs: Sequence[jax.Array],
+    weight: jax.Array,
+    dtype,
+    parts: Sequence[slice],
+    label: LabelTerm | None = None,
+    row_scale: jax.Array | None = None,
 ) -> jax.Array:
-    """``sum_p gs[p] weight[p]`` (plus ``diag(label.coef) weight[label.y]``) in ``dtype``: the
-    parts' products and the label's term summed in float32, rounded once."""
-    if len(parts) == 1 and label is None:
+    """``diag(row_scale) sum_p gs[p] weight[p]`` (plus ``diag(label.coef) weight[label.y]``) in
+    ``dtype``: the parts' products, their rows' scale (a factored chunk's ``alpha``) and the
+    label's term in float32, rounded once."""
+    if len(parts) == 1 and label is None and row_scale is None:
         return dot(gs[0], weight, (1, 0), dtype)
     total = sum(dot(g, weight[cols], (1, 0), jnp.float32) for g, cols in zip(gs, parts, strict=True))
+    if row_scale is not None:
+        total = row_scale[:, None] * total
     if label is not None:
         total = total + label.coef[:, None] * weight[label.y].astype(jnp.float32)
     return total.astype(dtype)

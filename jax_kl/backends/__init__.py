@@ -91,7 +91,10 @@ class Backend(NamedByEntry):
     every GEMM writes and reads rows of an aligned stride and the aligned part runs on the
     Mosaic GPU kernels (False prices that: the benchmark's ``jax_kl/pallas-whole-vocab``);
     ``label_apart``: the hard term's label entries kept out of a chunk's ``dL/dz``
-    (``fused_kl.chunk.LabelTerm``; False prices that)."""
+    (``fused_kl.chunk.LabelTerm``; False prices that);
+    ``factored``: the row phases' module whose ``exp_stats`` pass writes a factored chunk's ``E``
+    (``jax_kl.factored``), used where :meth:`factors` says so, or None (every chunk runs the
+    phases; the benchmark's ``jax_kl/pallas-unfactored`` prices that)."""
 
     entry: Registered
     compute: Compute
@@ -100,6 +103,7 @@ class Backend(NamedByEntry):
     in_place_grad_weight: ModuleType | None = None
     vocab_parts: bool = True
     label_apart: bool = True
+    factored: ModuleType | None = None
 
     def chunk_phases(self, z: jax.Array, t: object) -> ModuleType:
         """The row phases of one chunk (``z`` its logits, ``t`` its dense teacher or None): the
@@ -109,6 +113,11 @@ class Backend(NamedByEntry):
         if self.mosaic_phases is not None and self.mosaic_phases.fits(z, t):
             return self.mosaic_phases
         return self.phases  # type: ignore[return-value]
+
+    def factors(self, z: jax.Array) -> bool:
+        """Whether a chunk of logits ``z`` (one array, of a call ``jax_kl.factored.takes``) is
+        factored: where the phases that would run it (:meth:`chunk_phases`) are ``factored``."""
+        return self.factored is not None and self.chunk_phases(z, None) is self.factored
 
 
 def xla_folds_the_add() -> bool:
@@ -145,14 +154,14 @@ def _pallas(entry: Registered) -> Backend:
     mosaic = _mosaic_phases()
     if mosaic is None:
         return Backend(entry, forward, pallas_triton)
-    return Backend(entry, forward, xla_phases, mosaic, _in_place_grad_weight())
+    return Backend(entry, forward, xla_phases, mosaic, _in_place_grad_weight(), factored=mosaic)
 
 
 def _pallas_mosaic(entry: Registered) -> Backend:
     from ..driver import forward
     from . import pallas_mosaic
 
-    return Backend(entry, forward, pallas_mosaic, in_place_grad_weight=_in_place_grad_weight())
+    return Backend(entry, forward, pallas_mosaic, in_place_grad_weight=_in_place_grad_weight(), factored=pallas_mosaic)
 
 
 def _pallas_triton(entry: Registered) -> Backend:

@@ -31,7 +31,7 @@ from jax._src import config as jax_config  # the check plgpu.kernel turns off, w
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from fused_kl import rowmath, terms
+from fused_kl import factored, rowmath, terms
 from fused_kl.checks import backend_unavailable
 from fused_kl.loss import Loss
 from fused_kl.rows import COEFS, STATS, Coefs, MixtureSums, Stats
@@ -213,6 +213,13 @@ def _stats_step(cols, tiles, rowvecs, carry, g_ref, *, v: int, loss: Loss, carri
     return online.stats_tile(carry, _load(tiles[0]), teacher_tile, cols < v, loss, carries, _wide, XP)
 
 
+def _exp_stats_step(cols, tiles, rowvecs, carry, g_ref, *, v: int, loss: Loss, carries: online.StatsCarries):
+    del rowvecs
+    z, mask = _load(tiles[0]), cols < v
+    g_ref[...] = jnp.where(mask, factored.exponentials(z, loss, XP), 0.0).astype(g_ref.dtype)
+    return online.stats_tile(carry, z, lambda: None, mask, loss, carries, _wide, XP)
+
+
 def _mixture_sums_step(cols, tiles, rowvecs, carry, g_ref, *, v: int, loss: Loss):
     del g_ref
     lse, lse_t = (_wide(r, cols) for r in rowvecs)
@@ -256,6 +263,23 @@ def stats(z: jax.Array, t: DenseChunk | None, y: jax.Array | None, loss: Loss, t
     if y is not None:
         label_logit = rowmath.label_logit(z, y, loss, OPS.gather, jnp)
     return jnp.stack(Stats(**columns, label_logit=label_logit), axis=1)
+
+
+def exp_stats(z: jax.Array, y: jax.Array | None, loss: Loss) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """A factored chunk's one pass (``fused_kl.factored``; no teacher, temperature 1): ``(E``
+    written over ``z``, the rows' ``fused_kl.rows.Stats``, each row's maximum exponent)``. The
+    label's logit is gathered before the kernel overwrites ``z``."""
+    _require_fit(z, None)
+    rows, v = z.shape
+    label_logit = jnp.zeros((rows,), jnp.float32)
+    if y is not None:
+        label_logit = rowmath.label_logit(z, y, loss, OPS.gather, jnp)
+        z, label_logit = OPS.materialize(z, label_logit)
+    carries = online.StatsCarries.of(loss, False, y is not None)
+    step = functools.partial(_exp_stats_step, v=v, loss=loss, carries=carries)
+    *parts, e = _launch(step, [(z, 0)], [], carries.inits(), write_grad=True)
+    columns = online.stats_columns(parts, carries, _lse, lambda a: jnp.sum(a, axis=0), jnp.zeros_like(label_logit))
+    return e, jnp.stack(Stats(**columns, label_logit=label_logit), axis=1), jnp.max(parts[0], axis=0)
 
 
 def mixture_sums(z: jax.Array, t: DenseChunk, stats: jax.Array, loss: Loss, tile: tuple[int, int]) -> jax.Array:

@@ -8,8 +8,9 @@ a dense teacher and the row of it where the chunk starts (``(array, row0)``), or
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
-from fused_kl import wholerow
+from fused_kl import factored, terms, wholerow
 from fused_kl.loss import Loss
 
 from ..ops import ROW_OPS
@@ -20,6 +21,15 @@ def stats(z: jax.Array, t: DenseChunk | None, y: jax.Array | None, loss: Loss, t
     """``fused_kl.rows.Stats`` of each row of the chunk (local to this vocabulary slice)."""
     del tile  # whole rows at once
     return wholerow.stats(z, t, y, loss, ROW_OPS)
+
+
+def exp_stats(z: jax.Array, y: jax.Array | None, loss: Loss) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """A factored chunk's pass (``fused_kl.factored``; no teacher, temperature 1): ``(E`` in
+    ``z``'s dtype, the rows' ``fused_kl.rows.Stats``, each row's maximum exponent)``."""
+    f32 = z.astype(jnp.float32)
+    e = factored.exponentials(f32, loss, jnp).astype(z.dtype)
+    row_max = jnp.max(terms.transform(f32, loss.logit_scale, loss.softcap, jnp), axis=1)
+    return e, wholerow.stats(z, None, y, loss, ROW_OPS), row_max
 
 
 def mixture_sums(z: jax.Array, t: DenseChunk, stats: jax.Array, loss: Loss, tile: tuple[int, int]) -> jax.Array:

@@ -1,6 +1,6 @@
 """The exponentials ``E`` the logits GEMM's epilogue writes for a factored chunk, as both sides
 read them: the window ``[LO, HI]`` of row maxima that keep the fixed shift ``SHIFT`` (why those
-values: ``triton_factored``'s docstring), the per-tile parts the epilogue stores, and the tile
+values: ``fused_kl.factored``), the per-tile parts the epilogue stores, and the tile
 function itself. Its own module so that the imports run one way: ``triton_factored`` (what reads
 ``E``) imports ``triton_logits`` (the GEMM), and both import this.
 """
@@ -12,11 +12,13 @@ from typing import Any, NamedTuple
 import triton
 import triton.language as tl
 
+from fused_kl import factored
+
 from .triton_terms import LOG2E
 
-SHIFT: tl.constexpr = tl.constexpr(16.0)
-LO: tl.constexpr = tl.constexpr(-40.0)
-HI: tl.constexpr = tl.constexpr(56.0)
+SHIFT: tl.constexpr = tl.constexpr(factored.SHIFT)
+LO: tl.constexpr = tl.constexpr(factored.LO)
+HI: tl.constexpr = tl.constexpr(factored.HI)
 
 
 class ExpParts(NamedTuple):

@@ -1,45 +1,25 @@
 """``dL/dz`` factored as ``diag(alpha) E`` plus a few entries a row: no pass over the chunk writes it.
 
-With ``a = f(z) / T`` (the student transform; ``T = 1`` without a soft term), ``q = softmax(a)``,
-``(c_soft, c_hard)`` the row's scales (``fused_kl.rowmath.grad_scales``; 0 on ignored rows) and
-``f'(z_j) = logit_scale u_j`` (``u_j = 1 - (f_j / softcap)^2`` when capped, else 1), the fused
-cross-entropy's gradient ``c_hard f'(z_j) (q_j - [j = y])`` and a top-k teacher's
+The math, the window of row maxima that keep ``E``'s fixed shift and which chunks factor are
+``fused_kl.factored``'s. Here the fused cross-entropy's gradient and a top-k teacher's
 (``fused_kl.rowmath.topk``: ``c_soft f'(z_j) K q_j`` off the teacher's tokens, plus the hard
-term's at ``T = 1``) are, with the row's factor of ``q`` ``w_r = c_hard + c_soft K`` and a shift
-``s_r`` per row::
-
-    dL/dz_j = alpha_r E_j,   alpha_r = w_r logit_scale exp(s_r - lse_r),   E_j = exp(a_j - s_r) u_j
-
-plus, at the label ``y_r``, the hard term's ``d_r = -c_hard logit_scale u_y``; the teacher's
-tokens' ``E_j`` are rewritten after the GEMM as ``dL/dz_j / alpha_r`` (the label's term with them
-where the label is one of them). So ``grad_x = diag(alpha) (E W) + diag(d) W_y`` (the product in
-float32, scaled and the label's row added once, then rounded) and ``grad_W += E^T (diag(alpha) x)``,
-then ``grad_W_y += sum_r d_r x_r`` over the rows of each label (summed in float32 over every
-chunk, rounded once after the last, so that the chunks' roundings of ``grad_W`` fall on ``E``'s
-small terms alone):
-the GEMMs read ``E`` where they would read ``dL/dz``, so no ``finish`` pass (read the logits,
-write ``dL/dz``) runs, and the ``stats`` pass is the logits GEMM's epilogue. The label's term is
-kept apart because it is the largest entry of a row, near ``-c_hard``: written into ``E`` as
+term's at ``T = 1``) are factored; the teacher's tokens' ``E_j`` are rewritten after the GEMM as
+``dL/dz_j / alpha_r`` (the label's term with them where the label is one of them). The GEMMs
+read ``E`` where they would read ``dL/dz``, so no ``finish`` pass (read the logits, write
+``dL/dz``) runs, and the ``stats`` pass is the logits GEMM's epilogue. The label's term ``d_r``
+is kept apart because it is the largest entry of a row, near ``-c_hard``: written into ``E`` as
 ``dL/dz_y / alpha_r`` it takes bfloat16's rounding at a mantissa ``alpha`` makes arbitrary, and
-``grad_weight``'s error against float64 doubles (docs/design-notes.md).
+``grad_weight``'s error against float64 doubles (docs/design-notes.md); ``grad_W_y += sum_r d_r
+x_r`` is summed over the rows of each label in float32 over every chunk and rounded once after
+the last (:func:`add_label_rows`), so that the chunks' roundings of ``grad_W`` fall on ``E``'s
+small terms alone.
 
-The logits GEMM's epilogue cannot know ``lse_r`` yet, so it writes ``E`` with the fixed shift
-``SHIFT`` in bfloat16, whose range is float32's. The shift is kept only while the row's maximum
-``a`` lies in ``[LO, HI]``: then ``E <= e^(HI - SHIFT)`` sums in float32 without overflow; the
-entries it flushes to zero lie more than ``SHIFT - LO + 87`` below the row's maximum (``q <
-e^-100``); and ``alpha >= w logit_scale e^(SHIFT - HI - log V)`` keeps ``diag(alpha) x`` a normal
-bfloat16 number for ``w logit_scale`` down to about ``1e-8``.
-A column tile whose maximum leaves the window takes that maximum as its shift instead;
-:func:`settle` rescales the rows holding such tiles to ``s_r`` = the row's maximum (one program
-a row; the others do nothing). No host synchronisation. The top-k teacher's math needs the
-logits at its tokens: ``log E`` plus the shift gives them back (closer than bfloat16 logits),
-and a dot product where ``E`` flushed to zero.
-
-It takes bfloat16 chunks without bias or label smoothing: the cross-entropy, and top-k teachers
-uncapped (``log E`` must give ``a`` back) with one temperature (the hard term's ``q`` is at 1).
-The other losses' ``dL/dz`` is not a row scale of one exponential (a dense teacher's ``p``, a
-second temperature, the smoothing's ``-eps/V``), and float16's range is too narrow for ``E``.
-``jax_kl`` has no counterpart: its logits GEMM is XLA's (see ``triton_logits``).
+The logits GEMM's epilogue sees one column tile at a time: a tile whose maximum leaves the
+window takes that maximum as its shift instead, and :func:`settle` rescales the rows holding
+such tiles to ``s_r`` = the row's maximum (one program a row; the others do nothing). No host
+synchronisation. The top-k teacher's math needs the logits at its tokens: ``log E`` plus the
+shift gives them back (closer than bfloat16 logits), and a dot product where ``E`` flushed to
+zero.
 """
 
 from __future__ import annotations
@@ -52,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fused_kl import factored
 from fused_kl.chunk import LabelTerm, label_term
 from fused_kl.loss import Loss
 from fused_kl.rows import STATS, Stats
@@ -62,12 +43,9 @@ from .triton_terms import LOWEST, lse_step, transform
 
 
 def takes(x: torch.Tensor, bias: torch.Tensor | None, loss: Loss) -> bool:
-    """Whether a chunk's ``dL/dz`` factors (the module docstring), before the GEMM's own checks."""
-    if x.dtype != torch.bfloat16 or bias is not None or loss.label_smoothing != 0.0:
-        return False
-    if loss.soft:  # a top-k teacher, uncapped so that E gives its logits back; one temperature
-        return loss.kind == "coef" and loss.softcap is None and (not loss.hard or loss.temperature == 1.0)
-    return loss.hard
+    """Whether a chunk's ``dL/dz`` factors (``fused_kl.factored.takes``, top-k teachers
+    included), before the GEMM's own checks."""
+    return factored.takes(x.dtype == torch.bfloat16, bias is not None, loss, topk=True)
 
 
 @triton.jit
@@ -337,7 +315,7 @@ def settle(
         dense = torch.where(empty, 1.0, q_factor)
     _repair_kernel[(rows,)](z, tiles.max, tiles.shift, flags, rows, v, z.stride(0), BN=tiles.width)
     lse = stats[:, STATS.lse]  # at T: the exponent's; the same as the hard term's where both are used
-    alpha = dense * loss.logit_scale * torch.exp(tiles.shift - lse)
+    alpha = factored.alpha(dense, tiles.shift, lse, loss, torch)
     label = None
     if y is not None:  # dL/dz_y = logit_scale u_y (w q_y - c_hard): alpha E_y, and the label's term
         held = None if sparse is None else (mask & (at == y[:, None])).any(-1)  # a teacher's entry holds dL/dz_y

@@ -1,0 +1,203 @@
+"""``jax_kl``'s factored cross-entropy (``jax_kl/factored.py``, ``fused_kl.factored``): ``E`` and the
+statistics from one pass, rows out of the window remade, against float64 and against the
+unfactored chunks; which calls factor. On CPU the XLA phases' ``exp_stats`` stands in for the
+Mosaic GPU kernel (Hopper only), which the GPU test runs."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+import jax.numpy as jnp  # noqa: E402
+from harness import Outputs, assert_matches, make_inputs  # noqa: E402
+
+import jax_kl  # noqa: E402
+from fused_kl import factored, rowmath  # noqa: E402
+from fused_kl.loss import Loss  # noqa: E402
+from jax_kl import factored as jax_factored  # noqa: E402
+from jax_kl.backends import resolve, xla_phases  # noqa: E402
+from jax_kl.layout import SINGLE  # noqa: E402
+
+FACTORED = replace(resolve("xla"), factored=xla_phases)
+CE = Loss(teacher=None, weight_soft=0.0, weight_hard=1.0)
+CAPPED = Loss(teacher=None, weight_soft=0.0, weight_hard=1.0, softcap=80.0, logit_scale=1.25)
+
+
+def _rows_of_every_kind(n: int, h: int, v: int, seed: int = 0):
+    """bfloat16 inputs (float64 copies of them) whose rows' largest logits are, by row: ordinary;
+    about 60 (above the window); about -50 (below it); about 200 and ignored (``E`` overflows);
+    ordinary again. Column 0 of ``W`` is 1, so ``x[:, 0]`` shifts a row."""
+    inp = make_inputs(n, h, v, dtype="bfloat16", seed=seed, ignore_frac=0.2)
+    x, w, labels = inp.x.copy(), inp.weight.copy(), inp.labels.copy()
+    w[:, 0] = 1.0
+    x[:, 0] = 0.0
+    x[1::5, 0], x[2::5, 0], x[3::5, 0] = 58.0, -52.0, 200.0
+    labels[3::5] = -100
+    return replace(inp, x=x, weight=w, labels=labels)
+
+
+def _reference_dz(x: np.ndarray, w: np.ndarray, y: np.ndarray, c_hard: np.ndarray, loss: Loss) -> np.ndarray:
+    """``c_hard f'(z) (softmax(f(z)) - onehot(y))`` in float64 from bfloat16-rounded logits."""
+    z = np.asarray(jnp.asarray(x @ w.T, jnp.bfloat16).astype(jnp.float32), np.float64) * loss.logit_scale
+    f = z if loss.softcap is None else loss.softcap * np.tanh(z / loss.softcap)
+    slope = loss.logit_scale * (1.0 if loss.softcap is None else 1.0 - (f / loss.softcap) ** 2)
+    q = np.exp(f - f.max(-1, keepdims=True))
+    q /= q.sum(-1, keepdims=True)
+    onehot = np.zeros_like(q)
+    onehot[np.arange(len(y)), np.maximum(y, 0)] = y >= 0
+    return c_hard[:, None] * slope * (q - onehot)
+
+
+@pytest.mark.parametrize("loss", [CE, CAPPED])
+def test_alpha_times_e_plus_the_label_term_is_the_gradient_in_float64(loss: Loss) -> None:
+    inp = _rows_of_every_kind(20, 16, 96)
+    x, w = jnp.asarray(inp.x, jnp.bfloat16), jnp.asarray(inp.weight, jnp.bfloat16)
+    y = jnp.asarray(inp.labels, jnp.int32)
+    keep = y != loss.ignore_index
+    kept = jnp.sum(keep, dtype=jnp.float32)
+    weights, scales, _, labels = rowmath.row_plan(keep, kept, y, None, None, loss, True, 96, False, jnp.sort, jnp)
+    z = jnp.dot(x, w.T, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+    _, row_max = xla_phases.exp_stats(z, labels, loss)[1:]
+    outside = ~np.asarray(factored.in_window(row_max))
+    assert outside[1::5].all() and outside[2::5].all() and not outside[0::5].any()  # both kinds of rows
+    _, fac = jax_factored.chunk(z, x, w, labels, keep, None, scales, 0, 96, weights, loss, SINGLE, True, xla_phases)
+    got = np.asarray(fac.alpha, np.float64)[:, None] * np.asarray(fac.e.astype(jnp.float32), np.float64)
+    rows = np.arange(20)
+    coef = np.asarray(fac.label.coef, np.float64)
+    np.add.at(got, (rows, np.asarray(fac.label.y)), coef)
+    assert np.isfinite(got).all()  # the ignored rows whose E overflowed are zero
+    want = _reference_dz(inp.x, inp.weight, inp.labels, np.asarray(scales.hard, np.float64), loss)
+    kept_rows = np.asarray(keep)
+    assert (got[~kept_rows] == 0).all()
+    # bfloat16's rounding of each entry, relative to the row's largest; the remade rows read
+    # float32 logits where the reference rounds them to bfloat16, so their tolerance is the
+    # rounding of a logit of 50 to 60 (2^-3 in the exponent)
+    scale = np.abs(want).max(-1, keepdims=True)
+    err = (np.abs(got - want) / np.where(scale > 0, scale, 1.0)).max(-1)
+    assert err[~outside].max() < 8e-3
+    assert err[outside & kept_rows].max() < 0.2
+
+
+OPTIONS = {
+    "plain": dict(),
+    "z-loss, sum": dict(z_loss_weight=1e-3, reduction="sum"),
+    "capped, scaled": dict(softcap=30.0, logit_scale=1.5),
+    "row weights": dict(row_weight=True),
+}
+
+
+def _counting(monkeypatch) -> list:
+    """The calls of the XLA phases' ``exp_stats`` from now on (one per factored chunk traced)."""
+    calls = []
+    original = xla_phases.exp_stats
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(xla_phases, "exp_stats", counted)
+    return calls
+
+
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_factored_calls_match_float64_and_the_unfactored_chunks(monkeypatch, name: str) -> None:
+    options = dict(OPTIONS[name])
+    calls = _counting(monkeypatch)
+    inp = make_inputs(37, 16, 256, dtype="bfloat16", seed=3, ignore_frac=0.25)
+    if options.pop("row_weight", False):
+        options["row_weight"] = np.random.default_rng(0).uniform(0.0, 2.0, 37).astype(np.float32)
+    x, w = jnp.asarray(inp.x, jnp.bfloat16), jnp.asarray(inp.weight, jnp.bfloat16)
+    y = jnp.asarray(inp.labels, jnp.int32)
+    rw = options.pop("row_weight", None)
+
+    def loss(x, w, backend):
+        return jax_kl.fused_linear_cross_entropy(
+            x, w, y, backend=backend, chunk_size=16, row_weight=None if rw is None else jnp.asarray(rw), **options
+        )  # fmt: skip
+
+    results = {}
+    for label, backend in (("factored", FACTORED), ("unfactored", resolve("xla"))):
+        value, (gx, gw) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)), static_argnums=2)(x, w, backend)
+        results[label] = Outputs(float(value), *(np.asarray(g.astype(jnp.float32), np.float64) for g in (gx, gw)), None)
+    assert len(calls) == 3  # the factored call's three chunks of 16 rows
+    reference_options = dict(options, row_weight=rw)
+    assert_matches(results["factored"], inp, fn="cross_entropy", **reference_options)
+    got, other = results["factored"], results["unfactored"]
+    assert got.loss == pytest.approx(other.loss, rel=1e-6)
+    for a, b in ((got.grad_x, other.grad_x), (got.grad_weight, other.grad_weight)):
+        assert np.linalg.norm(a - b) <= 1e-2 * np.linalg.norm(b)
+
+
+def test_rows_out_of_the_window_match_float64_end_to_end(monkeypatch) -> None:
+    calls = _counting(monkeypatch)
+    inp = _rows_of_every_kind(30, 16, 128, seed=5)
+    x, w = jnp.asarray(inp.x, jnp.bfloat16), jnp.asarray(inp.weight, jnp.bfloat16)
+    y = jnp.asarray(inp.labels, jnp.int32)
+    loss = lambda x, w: jax_kl.fused_linear_cross_entropy(x, w, y, backend=FACTORED, chunk_size=8)
+    value, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(x, w)
+    got = Outputs(float(value), *(np.asarray(g.astype(jnp.float32), np.float64) for g in grads), None)
+    assert all(np.isfinite(g).all() for g in grads) and len(calls) == 4
+    # the loss reads bfloat16 logits of 50 to 200, rounded by up to 0.5: the reference does not
+    assert_matches(got, inp, fn="cross_entropy", tolerance=0.05, grad_tolerance=2e-2)
+
+
+def _exp_stats_calls(monkeypatch, backend, x, w, y, **options) -> int:
+    calls = _counting(monkeypatch)
+    jax.grad(lambda x: jax_kl.fused_linear_cross_entropy(x, w, y, backend=backend, chunk_size=8, **options))(x)
+    return len(calls)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "options", "factors"),
+    [
+        ("bfloat16", {}, True),
+        ("bfloat16", {"z_loss_weight": 1e-3}, True),
+        ("bfloat16", {"label_smoothing": 0.1}, False),  # -eps/V is not a multiple of q
+        ("bfloat16", {"bias": True}, False),
+        ("float16", {}, False),  # E needs bfloat16's range
+        ("float32", {}, False),
+    ],
+)
+def test_which_calls_factor(monkeypatch, dtype: str, options: dict, factors: bool) -> None:
+    options = dict(options)
+    x = jnp.ones((16, 8), dtype)
+    w = jnp.asarray(np.random.default_rng(0).standard_normal((64, 8)), dtype)
+    if options.pop("bias", False):
+        options["bias"] = jnp.zeros(64, dtype)
+    y = jnp.arange(16) % 64
+    assert _exp_stats_calls(monkeypatch, FACTORED, x, w, y, **options) == (2 if factors else 0)
+    assert _exp_stats_calls(monkeypatch, resolve("xla"), x, w, y, **options) == 0  # only where the backend factors
+
+
+def test_a_kl_call_does_not_factor(monkeypatch) -> None:
+    calls = []
+    monkeypatch.setattr(xla_phases, "exp_stats", lambda *a: calls.append(1))
+    inp = make_inputs(8, 8, 64, dtype="bfloat16", target_format="logits")
+    x, w = jnp.asarray(inp.x, jnp.bfloat16), jnp.asarray(inp.weight, jnp.bfloat16)
+    t, y = jnp.asarray(inp.target), jnp.asarray(inp.labels)
+    jax.grad(lambda x: jax_kl.fused_linear_kl_div(x, w, t, y, target_format="logits", backend=FACTORED))(x)
+    assert not calls
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1000, 4096])
+def test_on_the_gpu_the_mosaic_pass_matches_the_unfactored_chunks(n: int) -> None:
+    if jax.default_backend() != "gpu" or resolve("pallas").factored is None:
+        pytest.skip("the Mosaic GPU kernels need a Hopper GPU and jax >= 0.11")
+    key = jax.random.split(jax.random.key(0), 3)
+    v, h = 32000, 1024
+    x = jax.random.normal(key[0], (n, h), jnp.bfloat16)
+    w = (jax.random.normal(key[1], (v, h)) * 0.05).astype(jnp.bfloat16)
+    x = x.at[7, :].multiply(40.0)  # a row above the window: remade
+    y = jax.random.randint(key[2], (n,), 0, v).at[::7].set(-100)
+    loss = lambda x, w, b: jax_kl.fused_linear_cross_entropy(x, w, y, backend=b, chunk_size=512)
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)), static_argnums=2)
+    pallas = resolve("pallas")
+    (a, ga), (b, gb) = step(x, w, pallas), step(x, w, replace(pallas, factored=None))
+    assert float(a) == pytest.approx(float(b), rel=1e-5)
+    for p, q in zip(ga, gb, strict=True):
+        p, q = np.asarray(p, np.float64), np.asarray(q, np.float64)
+        assert np.isfinite(p).all() and np.linalg.norm(p - q) <= 1e-2 * np.linalg.norm(q)
