@@ -50,15 +50,19 @@ def takes(bfloat16: bool, has_bias: bool, loss: Loss, topk: bool) -> bool:
     return loss.hard
 
 
+def exponent(z: Any, loss: Loss, xp: Any) -> Any:
+    """``a = f(z) / T`` of float32 logits ``z``: the exponent of every term of a factored row
+    (``T = 1`` where the hard term is on; a top-k teacher alone may have any ``T``)."""
+    return terms.transform(z, loss.logit_scale, loss.softcap, xp) / loss.temperature
+
+
 def exponentials(z: Any, loss: Loss, xp: Any, shift: Any = SHIFT) -> Any:
-    """``E`` of float32 logits ``z``: ``exp(f(z) - shift) u``, at the hard term's temperature 1
-    (``torch_kl``'s Triton ``exp_tile`` is the translation, at ``T`` with a top-k teacher);
-    ``shift`` the fixed one, or a column of the rows' own."""
-    f = terms.transform(z, loss.logit_scale, loss.softcap, xp)
-    e = xp.exp(f - shift)
+    """``E`` of float32 logits ``z``: ``exp(a - shift) u`` (``torch_kl``'s Triton ``exp_tile`` is
+    the translation); ``shift`` the fixed one, or a column of the rows' own."""
+    e = xp.exp(exponent(z, loss, xp) - shift)
     if loss.softcap is None:
         return e
-    r = f / loss.softcap
+    r = terms.transform(z, loss.logit_scale, loss.softcap, xp) / loss.softcap
     return e * (1.0 - r * r)
 
 

@@ -106,8 +106,8 @@ def forward(
         alpha, x_w = None, xc  # a factored chunk's row scale and what grad_weight's GEMM reads with E
         if factors and len(zs) == 1 and backend.factors(zs[0]):
             (row_loss, own_loss), fac = jax_factored.chunk(
-                zs[0], xc, weight, y, kept_rows, rw, row_scales, v0, v_total, weights, loss, layout, needs.any,
-                backend.factored,
+                zs[0], xc, weight, y, kept_rows, rw, row_scales, topk, v0, v_total, weights, loss, layout,
+                needs.any, backend.factored,
             )  # fmt: skip
             gs, label = (None, None) if fac is None else ((fac.e,), fac.label)
             if fac is not None:

@@ -1,16 +1,16 @@
 """A factored chunk in JAX (``fused_kl.factored``; mirror of ``torch_kl.driver._factored_chunk``
-with ``torch_kl/backends/triton_factored.py``): the cross-entropy and the z-loss, no teacher.
+with ``torch_kl/backends/triton_factored.py``): the cross-entropy, the z-loss, top-k teachers.
 
 The backend's ``exp_stats`` pass reads the chunk's logits once and writes ``E`` over them with
-the rows' statistics: no ``stats`` pass before it, no ``finish`` pass after. A row whose
-maximum left the window (``fused_kl.factored.in_window``) is remade from its logits with its
-own log-sum-exp as the shift, :data:`REMADE_ROWS` rows a GEMM, in a loop that runs no step where every row
-kept the fixed shift. ``grad_x = diag(alpha) (E W)`` with the label's term, ``grad_W += E^T
-(diag(alpha) x)``, the label's term of ``grad_W`` added once after the last chunk, as in every
-chunk (``fused_kl.chunk.LabelTerm``). Top-k teachers are not factored here: ``torch_kl`` reads
-their logits back from ``log E`` in a kernel of its own.
+the rows' statistics: no ``stats`` pass before it, no ``finish`` pass after. The label's logit
+and a top-k teacher's tokens' logits are gathered before it. A row whose maximum left the
+window (``fused_kl.factored.in_window``) is remade from its float32 logits with its own
+log-sum-exp as the shift, :data:`REMADE_ROWS` rows a GEMM, in a loop that runs no step where
+every row kept the fixed shift. The teacher's tokens' ``E_j`` are written as ``dL/dz_j /
+alpha_r`` (``fused_kl.chunk.topk_part`` makes ``dL/dz`` there). ``grad_x = diag(alpha) (E W)``
+with the label's term, ``grad_W += E^T (diag(alpha) x)``, the label's term of ``grad_W`` added
+once after the last chunk, as in every chunk (``fused_kl.chunk.LabelTerm``).
 """
-
 from __future__ import annotations
 
 from types import ModuleType
@@ -20,23 +20,24 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fused_kl import factored, rowmath, terms
-from fused_kl.chunk import LabelTerm, label_term, local_labels
+from fused_kl import factored, rowmath
+from fused_kl.chunk import LabelTerm, label_term, local_labels, topk_part
 from fused_kl.loss import Loss
 from fused_kl.rows import STATS
 
 from . import gemm
+from .ops import OPS
 
 REMADE_ROWS = 64  # rows a GEMM when remaking rows out of the window: a [64, V] float32 product
 
 
 def takes(x: jax.Array, bias: jax.Array | None, loss: Loss, layout: Any) -> bool:
-    """Whether a call's chunks factor here: ``fused_kl.factored.takes`` without top-k teachers,
-    the hard term at temperature 1 (the exponent ``exp_stats`` writes), whole rows (a
+    """Whether a call's chunks factor here: ``fused_kl.factored.takes``, one exponent for every
+    term (``fused_kl.factored.exponent``: the cross-entropy at temperature 1), whole rows (a
     vocabulary-sharded layout would need its collective inside the loop that remakes rows)."""
     bf16 = x.dtype == jnp.bfloat16
     plain = layout.vocab_axis is None and not loss.separate_hard_lse
-    return plain and factored.takes(bf16, bias is not None, loss, topk=False)
+    return plain and factored.takes(bf16, bias is not None, loss, topk=True)
 
 
 class Factors(NamedTuple):
@@ -65,7 +66,7 @@ def _remade(e: jax.Array, bad: jax.Array, q_factor: jax.Array, xc: jax.Array, we
         at = lax.dynamic_slice_in_dim(order, i * REMADE_ROWS, REMADE_ROWS)
         held = jnp.minimum(at, rows - 1)
         z = gemm.dot(xc[held], weight, (1, 1), jnp.float32)
-        own = jax.nn.logsumexp(terms.transform(z, loss.logit_scale, loss.softcap, jnp), axis=1)
+        own = jax.nn.logsumexp(factored.exponent(z, loss, jnp), axis=1)
         values = factored.exponentials(z, loss, jnp, own[:, None])
         values = jnp.where((q_factor[held] != 0)[:, None], values, 0.0)
         return e.at[at].set(values.astype(e.dtype), mode="drop")
@@ -76,24 +77,62 @@ def _remade(e: jax.Array, bad: jax.Array, q_factor: jax.Array, xc: jax.Array, we
 
 def chunk(
     z: jax.Array, xc: jax.Array, weight: jax.Array, y: jax.Array | None, keep: jax.Array, row_weight: jax.Array | None,
-    scales: rowmath.RowScales, v0: Any, v_total: int, weights: rowmath.LossWeights, loss: Loss, layout: Any,
-    write_grad: bool, phases: ModuleType,
+    scales: rowmath.RowScales, topk: tuple[jax.Array, jax.Array] | None, v0: Any, v_total: int,
+    weights: rowmath.LossWeights, loss: Loss, layout: Any, write_grad: bool, phases: ModuleType,
 ) -> tuple[tuple[jax.Array, jax.Array], Factors | None]:  # fmt: skip
     """``((the rows' shares of the loss, their own losses), Factors or None without write_grad)``
-    of a chunk of logits ``z``, one array of this vocabulary slice; ``phases`` the module whose
-    ``exp_stats`` makes ``E``."""
+    of a chunk of logits ``z``, one array of this vocabulary slice, ``topk`` its top-k teacher's
+    ``(log-probs, token ids)`` or None; ``phases`` the module whose ``exp_stats`` makes ``E``."""
     y_local = local_labels(y, v0, loss)
+    at_tokens = None
+    if topk is not None:  # the student's logits at the teacher's tokens, read before E overwrites them
+        idx = topk[1]
+        at_tokens = OPS.gather(z, jnp.where((idx >= v0) & (idx < v0 + z.shape[1]), idx - v0, 0))
+        z, at_tokens = OPS.materialize(z, at_tokens)
     e, local_stats, row_max = phases.exp_stats(z, y_local, loss)
     stats = layout.combine_stats(local_stats)
-    losses = rowmath.row_losses(stats, keep, None, row_weight, weights, loss, v_total, jnp)
+    c_soft, c_hard, c_z = scales.soft, scales.hard, rowmath.z_scale(stats, scales)
+    soft, sparse, q_factor = None, None, c_hard + c_z  # the z-loss's gradient is a multiple of q
+    if topk is not None:
+        soft, k, at, g_at, write = topk_part(
+            lambda at, inside: at_tokens, topk, y, (c_soft, c_hard, c_z), v0, z.shape[1], stats, loss, v_total, layout,
+            OPS,
+        )  # fmt: skip
+        # A row of no soft weight (an ignored row) takes none of k, which its NaN teacher entries
+        # would make NaN: ignored rows stay ignored whatever their values.
+        q_factor = jnp.where(c_soft != 0, c_soft * k, 0.0) + (c_hard + c_z if loss.hard else 0.0)
+        sparse = (at, g_at, write)
+    losses = rowmath.row_losses(stats, keep, soft, row_weight, weights, loss, v_total, jnp)
     if not write_grad:
         return losses, None
+    return losses, settle(e, row_max, stats, q_factor, c_hard, y_local, loss, sparse, xc, weight)
+
+
+def settle(
+    e: jax.Array, row_max: jax.Array, stats: jax.Array, q_factor: jax.Array, c_hard: jax.Array,
+    y: jax.Array | None, loss: Loss, sparse: tuple[jax.Array, jax.Array, jax.Array] | None, xc: jax.Array,
+    weight: jax.Array,
+) -> Factors:  # fmt: skip
+    """The chunk's :class:`Factors` from the pass's ``E`` and each row's maximum exponent
+    (``torch_kl``'s ``triton_factored.settle``): ``q_factor`` the rows' factor ``w`` of ``q``,
+    ``stats`` their combined ``Stats``, ``y`` the local labels (None without the hard term),
+    ``sparse`` ``(at, values, mask)``, a top-k teacher's ``dL/dz`` at its tokens. Rows out of the
+    window are remade; rows with no dense part (``w = 0``) but sparse values are zeroed; then the
+    sparse entries are written."""
     lse = stats[:, STATS.lse]
-    q_factor = scales.hard + rowmath.z_scale(stats, scales)  # the z-loss's gradient is a multiple of q
-    bad = ~factored.in_window(row_max) | ~jnp.isfinite(lse)
-    shift = jnp.where(bad, lse, factored.SHIFT)  # a remade row's alpha: w logit_scale
-    e = _remade(e, bad, q_factor, xc, weight, loss)
+    remake = ~factored.in_window(row_max) | ~jnp.isfinite(lse)
+    shift = jnp.where(remake, lse, factored.SHIFT)  # a remade row's alpha: w logit_scale
+    dense, held = q_factor, None
+    if sparse is not None:  # a row whose gradient lies at the teacher's tokens alone: E zeroed there
+        at, values, write = sparse
+        empty = (q_factor == 0) & (write & (values != 0)).any(-1)
+        remake, dense = remake | empty, jnp.where(empty, 1.0, q_factor)
+        held = None if y is None else (write & (at == y[:, None])).any(-1)  # a token holds dL/dz_y
+    e = _remade(e, remake, q_factor, xc, weight, loss)
+    alpha = factored.alpha(dense, shift, lse, loss, jnp)
+    if sparse is not None:
+        e = OPS.set_at(e, at, values / jnp.where(alpha == 0, 1.0, alpha)[:, None], write)
     label = None
     if loss.cross_entropy:
-        label = label_term(y_local, z.shape[1], scales.hard, stats[:, STATS.label_logit], loss, None, jnp)
-    return losses, Factors(e, factored.alpha(q_factor, shift, lse, loss, jnp), label)
+        label = label_term(y, e.shape[1], c_hard, stats[:, STATS.label_logit], loss, held, jnp)
+    return Factors(e, alpha, label)

@@ -12,11 +12,11 @@ import pytest
 
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
-from harness import Outputs, assert_matches, make_inputs  # noqa: E402
+from harness import Outputs, assert_matches, expected, make_inputs, rel_err  # noqa: E402
 
 import jax_kl  # noqa: E402
 from fused_kl import factored, rowmath  # noqa: E402
-from fused_kl.loss import Loss  # noqa: E402
+from fused_kl.loss import Loss, Teacher  # noqa: E402
 from jax_kl import factored as jax_factored  # noqa: E402
 from jax_kl.backends import resolve, xla_phases  # noqa: E402
 from jax_kl.layout import SINGLE  # noqa: E402
@@ -63,7 +63,8 @@ def test_alpha_times_e_plus_the_label_term_is_the_gradient_in_float64(loss: Loss
     _, row_max = xla_phases.exp_stats(z, labels, loss)[1:]
     outside = ~np.asarray(factored.in_window(row_max))
     assert outside[1::5].all() and outside[2::5].all() and not outside[0::5].any()  # both kinds of rows
-    _, fac = jax_factored.chunk(z, x, w, labels, keep, None, scales, 0, 96, weights, loss, SINGLE, True, xla_phases)
+    args = (z, x, w, labels, keep, None, scales, None, 0, 96, weights, loss, SINGLE, True, xla_phases)
+    _, fac = jax_factored.chunk(*args)
     got = np.asarray(fac.alpha, np.float64)[:, None] * np.asarray(fac.e.astype(jnp.float32), np.float64)
     rows = np.arange(20)
     coef = np.asarray(fac.label.coef, np.float64)
@@ -142,6 +143,95 @@ def test_rows_out_of_the_window_match_float64_end_to_end(monkeypatch) -> None:
     assert all(np.isfinite(g).all() for g in grads) and len(calls) == 4
     # the loss reads bfloat16 logits of 50 to 200, rounded by up to 0.5: the reference does not
     assert_matches(got, inp, fn="cross_entropy", tolerance=0.05, grad_tolerance=2e-2)
+
+
+TOPK = {
+    "bin, hard": dict(weight_hard_loss=0.5, logit_scale=1.25),
+    "renormalize, T = 2, sum": dict(topk_tail="renormalize", temperature=2.0, reduction="sum"),
+    "drop, z-loss": dict(topk_tail="drop", z_loss_weight=1e-3),
+    "drop alone": dict(topk_tail="drop"),  # rows whose gradient lies at the teacher's tokens alone
+}
+
+
+@pytest.mark.parametrize("name", list(TOPK))
+def test_a_topk_teacher_matches_float64_and_the_unfactored_chunks(monkeypatch, name: str) -> None:
+    options = TOPK[name]
+    calls = _counting(monkeypatch)
+    inp = make_inputs(29, 16, 256, dtype="bfloat16", target_format="topk_log_probs", k=6, pad_frac=0.3, seed=4)
+    x, w = jnp.asarray(inp.x, jnp.bfloat16), jnp.asarray(inp.weight, jnp.bfloat16)
+    x = x.at[1::7, 0].multiply(60.0)  # rows out of the window: remade
+    inp = replace(inp, x=np.asarray(x.astype(jnp.float32), np.float64))
+    t, idx, y = jnp.asarray(inp.target), jnp.asarray(inp.target_indices), jnp.asarray(inp.labels)
+
+    def loss(x, w, backend):
+        return jax_kl.fused_linear_kl_div(
+            x, w, t, y, target_format="topk_log_probs", target_indices=idx, backend=backend, chunk_size=8, **options
+        )  # fmt: skip
+
+    results = {}
+    for label, backend in (("factored", FACTORED), ("unfactored", resolve("xla"))):
+        value, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)), static_argnums=2)(x, w, backend)
+        results[label] = Outputs(float(value), *(np.asarray(g.astype(jnp.float32), np.float64) for g in grads), None)
+    assert len(calls) == 4
+    # the rows out of the window read bfloat16 logits of up to about 150, rounded by up to 0.5
+    assert_matches(results["factored"], inp, tolerance=0.05, grad_tolerance=2e-2, **options)
+    got, other = results["factored"], results["unfactored"]
+    # XLA's unfactored program may gather the tokens' logits before the GEMM's bfloat16 rounding
+    assert got.loss == pytest.approx(other.loss, rel=1e-4)
+    want = expected(inp, **options)
+    for name in ("grad_x", "grad_weight"):  # the remade rows' float32 logits: closer to float64
+        errors = [rel_err(getattr(r, name), getattr(want, name)) for r in (got, other)]
+        assert errors[0] <= errors[1] * 1.05, (name, errors)
+
+
+def test_rows_with_sparse_values_and_no_dense_part_are_zeroed() -> None:
+    """``q_factor = 0`` (a top-k row whose factor K vanishes, without the hard term): ``settle``
+    zeroes the row's ``E`` and writes its top-k entries alone."""
+    rows, v = 10, 128
+    inp = _rows_of_every_kind(rows, 16, v, seed=2)
+    x, w = jnp.asarray(inp.x, jnp.bfloat16), jnp.asarray(inp.weight, jnp.bfloat16)
+    loss = Loss(teacher=Teacher("topk_log_probs", 1.0))
+    z = jnp.dot(x, w.T, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+    e, stats, row_max = xla_phases.exp_stats(z, None, loss)
+    q_factor = jnp.asarray([0.0, 1.0, 0.0, 0.0, 1.0, 0.0, 2.0, 1.0, 0.5, 1.0])
+    at = jnp.asarray([[3, 9]] * rows)
+    values = jnp.full((rows, 2), -0.25).at[5].set(0.0)  # row 5: no dense part, no sparse value
+    mask = jnp.ones((rows, 2), bool)
+    fac = jax_factored.settle(e, row_max, stats, q_factor, jnp.zeros(rows), None, loss, (at, values, mask), x, w)
+    assert fac.label is None
+    g = np.asarray(fac.alpha, np.float64)[:, None] * np.asarray(fac.e.astype(jnp.float32), np.float64)
+    for r in (0, 2, 3):  # an ordinary row, one below the window and one whose E overflowed
+        assert np.count_nonzero(g[r]) == 2 and np.allclose(g[r, [3, 9]], -0.25, rtol=1e-2)
+    assert (g[5] == 0).all()
+    logits = np.asarray(jnp.dot(x, w.T, preferred_element_type=jnp.float32), np.float64)
+    q = np.exp(logits - logits.max(-1, keepdims=True))
+    dense = np.asarray(q_factor, np.float64)[:, None] * q / q.sum(-1, keepdims=True)
+    dense[:, [3, 9]] = -0.25
+    for r in (1, 4, 6, 7, 8, 9):
+        assert np.abs(g[r] - dense[r]).max() / np.abs(dense[r]).max() < 2e-2
+
+
+def test_a_nan_teacher_row_that_is_ignored_leaves_the_gradients_alone() -> None:
+    """An ignored top-k row takes none of the teacher's mass ``k``: its NaN log-probabilities reach
+    neither ``alpha`` nor the gradients, which equal those of the call with finite ones."""
+    inp = make_inputs(16, 16, 128, dtype="bfloat16", target_format="topk_log_probs", k=4, seed=6, ignore_frac=None)
+    x, w = jnp.asarray(inp.x, jnp.bfloat16), jnp.asarray(inp.weight, jnp.bfloat16)
+    idx, clean = jnp.asarray(inp.target_indices), jnp.asarray(inp.target)
+    y = jnp.arange(16).at[2].set(-100)
+    rw = jnp.ones(16).at[5].set(0.0)
+
+    def grads(t):
+        return jax.grad(
+            lambda x, w: jax_kl.fused_linear_kl_div(
+                x, w, t, y, target_format="topk_log_probs", target_indices=idx, row_weight=rw, weight_hard_loss=0.5,
+                backend=FACTORED,
+            ),
+            argnums=(0, 1),
+        )(x, w)  # fmt: skip
+
+    for got, want in zip(grads(clean.at[2].set(jnp.nan)), grads(clean), strict=True):
+        assert np.isfinite(np.asarray(got, np.float32)).all()
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
 def _exp_stats_calls(monkeypatch, backend, x, w, y, **options) -> int:

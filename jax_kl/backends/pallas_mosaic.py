@@ -266,7 +266,7 @@ def stats(z: jax.Array, t: DenseChunk | None, y: jax.Array | None, loss: Loss, t
 
 
 def exp_stats(z: jax.Array, y: jax.Array | None, loss: Loss) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """A factored chunk's one pass (``fused_kl.factored``; no teacher, temperature 1): ``(E``
+    """A factored chunk's one pass (``fused_kl.factored``; no dense teacher): ``(E``
     written over ``z``, the rows' ``fused_kl.rows.Stats``, each row's maximum exponent)``. The
     label's logit is gathered before the kernel overwrites ``z``."""
     _require_fit(z, None)

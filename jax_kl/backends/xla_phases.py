@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from fused_kl import factored, terms, wholerow
+from fused_kl import factored, wholerow
 from fused_kl.loss import Loss
 
 from ..ops import ROW_OPS
@@ -24,11 +24,11 @@ def stats(z: jax.Array, t: DenseChunk | None, y: jax.Array | None, loss: Loss, t
 
 
 def exp_stats(z: jax.Array, y: jax.Array | None, loss: Loss) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """A factored chunk's pass (``fused_kl.factored``; no teacher, temperature 1): ``(E`` in
+    """A factored chunk's pass (``fused_kl.factored``; no dense teacher): ``(E`` in
     ``z``'s dtype, the rows' ``fused_kl.rows.Stats``, each row's maximum exponent)``."""
     f32 = z.astype(jnp.float32)
     e = factored.exponentials(f32, loss, jnp).astype(z.dtype)
-    row_max = jnp.max(terms.transform(f32, loss.logit_scale, loss.softcap, jnp), axis=1)
+    row_max = jnp.max(factored.exponent(f32, loss, jnp), axis=1)
     return e, wholerow.stats(z, None, y, loss, ROW_OPS), row_max
 
 
