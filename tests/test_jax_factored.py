@@ -273,21 +273,31 @@ def test_a_kl_call_does_not_factor(monkeypatch) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("teacher", [False, True])
 @pytest.mark.parametrize("n", [1000, 4096])
-def test_on_the_gpu_the_mosaic_pass_matches_the_unfactored_chunks(n: int) -> None:
+def test_on_the_gpu_the_mosaic_pass_matches_the_unfactored_chunks(n: int, teacher: bool) -> None:
     if jax.default_backend() != "gpu" or resolve("pallas").factored is None:
         pytest.skip("the Mosaic GPU kernels need a Hopper GPU and jax >= 0.11")
-    key = jax.random.split(jax.random.key(0), 3)
-    v, h = 32000, 1024
+    key = jax.random.split(jax.random.key(0), 4)
+    v, h, k = 32000, 1024, 64
     x = jax.random.normal(key[0], (n, h), jnp.bfloat16)
     w = (jax.random.normal(key[1], (v, h)) * 0.05).astype(jnp.bfloat16)
     x = x.at[7, :].multiply(40.0)  # a row above the window: remade
     y = jax.random.randint(key[2], (n,), 0, v).at[::7].set(-100)
-    loss = lambda x, w, b: jax_kl.fused_linear_cross_entropy(x, w, y, backend=b, chunk_size=512)
+    log_p, idx = jax.lax.top_k(jax.nn.log_softmax(jax.random.normal(key[3], (n, v)) * 3.0), k)
+
+    def loss(x, w, backend):
+        if not teacher:
+            return jax_kl.fused_linear_cross_entropy(x, w, y, backend=backend, chunk_size=512)
+        return jax_kl.fused_linear_kl_div(
+            x, w, log_p, y, target_format="topk_log_probs", target_indices=idx, weight_hard_loss=0.5, backend=backend,
+            chunk_size=512,
+        )  # fmt: skip
+
     step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)), static_argnums=2)
     pallas = resolve("pallas")
     (a, ga), (b, gb) = step(x, w, pallas), step(x, w, replace(pallas, factored=None))
-    assert float(a) == pytest.approx(float(b), rel=1e-5)
+    assert float(a) == pytest.approx(float(b), rel=1e-4)
     for p, q in zip(ga, gb, strict=True):
         p, q = np.asarray(p, np.float64), np.asarray(q, np.float64)
-        assert np.isfinite(p).all() and np.linalg.norm(p - q) <= 1e-2 * np.linalg.norm(q)
+        assert np.isfinite(p).all() and np.linalg.norm(p - q) <= 2e-2 * np.linalg.norm(q)
