@@ -104,12 +104,11 @@ def forward(
             VocabPart(z, t, c.start, backend.chunk_phases(z, t)) for z, t, c in zip(zs, ts, vocab_cols, strict=True)
         )
         alpha, x_w = None, xc  # a factored chunk's row scale and what grad_weight's GEMM reads with E
-        if factors and len(zs) == 1 and backend.factors(zs[0]):
+        if factors and backend.factors(zs[0]):
             (row_loss, own_loss), fac = jax_factored.chunk(
-                zs[0], xc, weight, y, kept_rows, rw, row_scales, topk, v0, v_total, weights, loss, layout,
-                needs.any, backend.factored,
+                parts, xc, weight, y, kept_rows, rw, row_scales, topk, v0, v_total, weights, loss, layout, needs.any
             )  # fmt: skip
-            gs, label = (None, None) if fac is None else ((fac.e,), fac.label)
+            gs, label = (None, None) if fac is None else (fac.e, fac.label)
             if fac is not None:
                 alpha, x_w = fac.alpha, fac.scaled_rows(xc) if needs.weight else xc
         else:

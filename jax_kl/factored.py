@@ -13,7 +13,8 @@ once after the last chunk, as in every chunk (``fused_kl.chunk.LabelTerm``).
 """
 from __future__ import annotations
 
-from types import ModuleType
+import functools
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -21,7 +22,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from fused_kl import factored, rowmath
-from fused_kl.chunk import LabelTerm, label_term, local_labels, topk_part
+from fused_kl.chunk import LabelTerm, VocabPart, label_term, local_labels, topk_part
 from fused_kl.loss import Loss
 from fused_kl.rows import STATS
 
@@ -41,9 +42,10 @@ def takes(x: jax.Array, bias: jax.Array | None, loss: Loss, layout: Any) -> bool
 
 
 class Factors(NamedTuple):
-    """A factored chunk's ``dL/dz = diag(alpha) E`` plus ``label`` (None without the cross-entropy)."""
+    """A factored chunk's ``dL/dz = diag(alpha) E`` plus ``label`` (None without the cross-entropy);
+    ``e`` one array per vocabulary part."""
 
-    e: jax.Array
+    e: tuple[jax.Array, ...]
     alpha: jax.Array
     label: LabelTerm | None
 
@@ -52,51 +54,71 @@ class Factors(NamedTuple):
         return (self.alpha[:, None] * xc.astype(jnp.float32)).astype(xc.dtype)
 
 
-def _remade(e: jax.Array, bad: jax.Array, q_factor: jax.Array, xc: jax.Array, weight: jax.Array,
-            loss: Loss) -> jax.Array:  # fmt: skip
-    """``e`` with each ``bad`` row remade as ``softmax(f(x_r W^T)) u`` from its float32 logits, its
-    shift its own log-sum-exp, so that the row sums to 1 whatever the rounding of the logits the
-    statistics read (0 where the row's ``q_factor`` is: an ignored row's ``E`` may be infinite, and
-    ``0 * inf`` would reach the GEMMs)."""
-    rows = e.shape[0]
+def _remade(es: tuple[jax.Array, ...], starts: Sequence[int], bad: jax.Array, q_factor: jax.Array, xc: jax.Array,
+            weight: jax.Array, loss: Loss) -> tuple[jax.Array, ...]:  # fmt: skip
+    """``es`` (the parts' ``E``, their first columns ``starts``) with each ``bad`` row remade as
+    ``softmax(f(x_r W^T)) u`` from its float32 logits, its shift its own log-sum-exp, so that the
+    row sums to 1 whatever the rounding of the logits the statistics read (0 where the row's
+    ``q_factor`` is: an ignored row's ``E`` may be infinite, and ``0 * inf`` would reach the
+    GEMMs)."""
+    rows = es[0].shape[0]
     order = jnp.nonzero(bad, size=rows, fill_value=rows)[0]  # the bad rows, then `rows` (dropped)
     order = jnp.pad(order, (0, -rows % REMADE_ROWS), constant_values=rows)
 
-    def remake(i: jax.Array, e: jax.Array) -> jax.Array:
+    def remake(i: jax.Array, es: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
         at = lax.dynamic_slice_in_dim(order, i * REMADE_ROWS, REMADE_ROWS)
         held = jnp.minimum(at, rows - 1)
         z = gemm.dot(xc[held], weight, (1, 1), jnp.float32)
         own = jax.nn.logsumexp(factored.exponent(z, loss, jnp), axis=1)
         values = factored.exponentials(z, loss, jnp, own[:, None])
         values = jnp.where((q_factor[held] != 0)[:, None], values, 0.0)
-        return e.at[at].set(values.astype(e.dtype), mode="drop")
+        return tuple(
+            e.at[at].set(values[:, c : c + e.shape[1]].astype(e.dtype), mode="drop")
+            for e, c in zip(es, starts, strict=True)
+        )
 
     steps = (jnp.sum(bad, dtype=jnp.int32) + REMADE_ROWS - 1) // REMADE_ROWS
-    return lax.fori_loop(0, steps, remake, e)
+    return lax.fori_loop(0, steps, remake, tuple(es))
+
+
+def _inside(at: jax.Array, part: VocabPart) -> jax.Array:
+    return (at >= part.start) & (at < part.start + part.z.shape[1])
 
 
 def chunk(
-    z: jax.Array, xc: jax.Array, weight: jax.Array, y: jax.Array | None, keep: jax.Array, row_weight: jax.Array | None,
-    scales: rowmath.RowScales, topk: tuple[jax.Array, jax.Array] | None, v0: Any, v_total: int,
-    weights: rowmath.LossWeights, loss: Loss, layout: Any, write_grad: bool, phases: ModuleType,
+    parts: Sequence[VocabPart], xc: jax.Array, weight: jax.Array, y: jax.Array | None, keep: jax.Array,
+    row_weight: jax.Array | None, scales: rowmath.RowScales, topk: tuple[jax.Array, jax.Array] | None, v0: Any,
+    v_total: int, weights: rowmath.LossWeights, loss: Loss, layout: Any, write_grad: bool,
 ) -> tuple[tuple[jax.Array, jax.Array], Factors | None]:  # fmt: skip
     """``((the rows' shares of the loss, their own losses), Factors or None without write_grad)``
-    of a chunk of logits ``z``, one array of this vocabulary slice, ``topk`` its top-k teacher's
-    ``(log-probs, token ids)`` or None; ``phases`` the module whose ``exp_stats`` makes ``E``."""
+    of a chunk whose logits are ``parts`` of this vocabulary slice (no teacher chunk; each part's
+    ``phases`` has an ``exp_stats`` pass), ``topk`` its top-k teacher's ``(log-probs, token ids)``
+    or None."""
     y_local = local_labels(y, v0, loss)
-    at_tokens = None
+    width = sum(p.z.shape[1] for p in parts)
+    zs, at_tokens = tuple(p.z for p in parts), None
     if topk is not None:  # the student's logits at the teacher's tokens, read before E overwrites them
         idx = topk[1]
-        at_tokens = OPS.gather(z, jnp.where((idx >= v0) & (idx < v0 + z.shape[1]), idx - v0, 0))
-        z, at_tokens = OPS.materialize(z, at_tokens)
-    e, local_stats, row_max = phases.exp_stats(z, y_local, loss)
+        at = jnp.where((idx >= v0) & (idx < v0 + width), idx - v0, 0)
+        at_tokens = sum(
+            jnp.where(_inside(at, p), OPS.gather(z, jnp.where(_inside(at, p), at - p.start, 0)), 0.0)
+            for p, z in zip(parts, zs, strict=True)
+        )
+        zs, at_tokens = OPS.materialize(zs, at_tokens)
+    passes = [
+        p.phases.exp_stats(z, None if y_local is None else y_local - p.start, loss)
+        for p, z in zip(parts, zs, strict=True)
+    ]
+    es, each, maxima = (tuple(column) for column in zip(*passes, strict=True))
+    local_stats = each[0]
+    if len(each) > 1:
+        local_stats = rowmath.combine_stats(jnp.stack(each), lambda a: jnp.max(a, 0), lambda a: jnp.sum(a, 0), jnp)
     stats = layout.combine_stats(local_stats)
     c_soft, c_hard, c_z = scales.soft, scales.hard, rowmath.z_scale(stats, scales)
     soft, sparse, q_factor = None, None, c_hard + c_z  # the z-loss's gradient is a multiple of q
     if topk is not None:
         soft, k, at, g_at, write = topk_part(
-            lambda at, inside: at_tokens, topk, y, (c_soft, c_hard, c_z), v0, z.shape[1], stats, loss, v_total, layout,
-            OPS,
+            lambda at, inside: at_tokens, topk, y, (c_soft, c_hard, c_z), v0, width, stats, loss, v_total, layout, OPS
         )  # fmt: skip
         # A row of no soft weight (an ignored row) takes none of k, which its NaN teacher entries
         # would make NaN: ignored rows stay ignored whatever their values.
@@ -105,20 +127,22 @@ def chunk(
     losses = rowmath.row_losses(stats, keep, soft, row_weight, weights, loss, v_total, jnp)
     if not write_grad:
         return losses, None
-    return losses, settle(e, row_max, stats, q_factor, c_hard, y_local, loss, sparse, xc, weight)
+    row_max = functools.reduce(jnp.maximum, maxima)
+    parts = [p._replace(z=e) for p, e in zip(parts, es, strict=True)]
+    return losses, settle(parts, row_max, stats, q_factor, c_hard, y_local, loss, sparse, xc, weight)
 
 
 def settle(
-    e: jax.Array, row_max: jax.Array, stats: jax.Array, q_factor: jax.Array, c_hard: jax.Array,
+    parts: Sequence[VocabPart], row_max: jax.Array, stats: jax.Array, q_factor: jax.Array, c_hard: jax.Array,
     y: jax.Array | None, loss: Loss, sparse: tuple[jax.Array, jax.Array, jax.Array] | None, xc: jax.Array,
     weight: jax.Array,
 ) -> Factors:  # fmt: skip
-    """The chunk's :class:`Factors` from the pass's ``E`` and each row's maximum exponent
-    (``torch_kl``'s ``triton_factored.settle``): ``q_factor`` the rows' factor ``w`` of ``q``,
-    ``stats`` their combined ``Stats``, ``y`` the local labels (None without the hard term),
-    ``sparse`` ``(at, values, mask)``, a top-k teacher's ``dL/dz`` at its tokens. Rows out of the
-    window are remade; rows with no dense part (``w = 0``) but sparse values are zeroed; then the
-    sparse entries are written."""
+    """The chunk's :class:`Factors` from the pass's ``E`` (``parts``' arrays) and each row's
+    maximum exponent (``torch_kl``'s ``triton_factored.settle``): ``q_factor`` the rows' factor
+    ``w`` of ``q``, ``stats`` their combined ``Stats``, ``y`` the local labels (None without the
+    hard term), ``sparse`` ``(at, values, mask)``, a top-k teacher's ``dL/dz`` at its tokens. Rows
+    out of the window are remade; rows with no dense part (``w = 0``) but sparse values are
+    zeroed; then the sparse entries are written."""
     lse = stats[:, STATS.lse]
     remake = ~factored.in_window(row_max) | ~jnp.isfinite(lse)
     shift = jnp.where(remake, lse, factored.SHIFT)  # a remade row's alpha: w logit_scale
@@ -128,11 +152,16 @@ def settle(
         empty = (q_factor == 0) & (write & (values != 0)).any(-1)
         remake, dense = remake | empty, jnp.where(empty, 1.0, q_factor)
         held = None if y is None else (write & (at == y[:, None])).any(-1)  # a token holds dL/dz_y
-    e = _remade(e, remake, q_factor, xc, weight, loss)
+    es = _remade(tuple(p.z for p in parts), [p.start for p in parts], remake, q_factor, xc, weight, loss)
     alpha = factored.alpha(dense, shift, lse, loss, jnp)
     if sparse is not None:
-        e = OPS.set_at(e, at, values / jnp.where(alpha == 0, 1.0, alpha)[:, None], write)
+        scaled = values / jnp.where(alpha == 0, 1.0, alpha)[:, None]
+        es = tuple(
+            OPS.set_at(e, jnp.where(_inside(at, p), at - p.start, 0), scaled, write & _inside(at, p))
+            for e, p in zip(es, parts, strict=True)
+        )
     label = None
     if loss.cross_entropy:
-        label = label_term(y, e.shape[1], c_hard, stats[:, STATS.label_logit], loss, held, jnp)
-    return Factors(e, alpha, label)
+        width = sum(e.shape[1] for e in es)
+        label = label_term(y, width, c_hard, stats[:, STATS.label_logit], loss, held, jnp)
+    return Factors(es, alpha, label)

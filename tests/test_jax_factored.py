@@ -16,6 +16,7 @@ from harness import Outputs, assert_matches, expected, make_inputs, rel_err  # n
 
 import jax_kl  # noqa: E402
 from fused_kl import factored, rowmath  # noqa: E402
+from fused_kl.chunk import VocabPart  # noqa: E402
 from fused_kl.loss import Loss, Teacher  # noqa: E402
 from jax_kl import factored as jax_factored  # noqa: E402
 from jax_kl.backends import resolve, xla_phases  # noqa: E402
@@ -63,9 +64,9 @@ def test_alpha_times_e_plus_the_label_term_is_the_gradient_in_float64(loss: Loss
     _, row_max = xla_phases.exp_stats(z, labels, loss)[1:]
     outside = ~np.asarray(factored.in_window(row_max))
     assert outside[1::5].all() and outside[2::5].all() and not outside[0::5].any()  # both kinds of rows
-    args = (z, x, w, labels, keep, None, scales, None, 0, 96, weights, loss, SINGLE, True, xla_phases)
-    _, fac = jax_factored.chunk(*args)
-    got = np.asarray(fac.alpha, np.float64)[:, None] * np.asarray(fac.e.astype(jnp.float32), np.float64)
+    parts = [VocabPart(z, None, 0, xla_phases)]
+    _, fac = jax_factored.chunk(parts, x, w, labels, keep, None, scales, None, 0, 96, weights, loss, SINGLE, True)
+    got = np.asarray(fac.alpha, np.float64)[:, None] * np.asarray(fac.e[0].astype(jnp.float32), np.float64)
     rows = np.arange(20)
     coef = np.asarray(fac.label.coef, np.float64)
     np.add.at(got, (rows, np.asarray(fac.label.y)), coef)
@@ -184,6 +185,54 @@ def test_a_topk_teacher_matches_float64_and_the_unfactored_chunks(monkeypatch, n
         assert errors[0] <= errors[1] * 1.05, (name, errors)
 
 
+@pytest.mark.parametrize("teacher", [False, True])
+def test_an_unaligned_vocabulary_factors_its_parts_as_one_array(monkeypatch, teacher: bool) -> None:
+    """At V = 300 a chunk is its 256 aligned columns and the 44 left (``gemm.vocab_parts``), each
+    part's ``E`` from its own pass: the gradients equal those of the whole vocabulary as one
+    array up to rounding, labels and teacher tokens in either part, rows out of the window remade
+    across both."""
+    calls = _counting(monkeypatch)
+    fmt = "topk_log_probs" if teacher else "probs"
+    inp = make_inputs(24, 16, 300, dtype="bfloat16", target_format=fmt, k=6, seed=8, ignore_frac=0.2)
+    x, w = jnp.asarray(inp.x, jnp.bfloat16), jnp.asarray(inp.weight, jnp.bfloat16)
+    x = x.at[1::7, 0].multiply(60.0)
+    inp = replace(inp, x=np.asarray(x.astype(jnp.float32), np.float64))
+    labels = np.where(inp.labels >= 0, np.arange(24) % 2 * 256 + inp.labels % 44, inp.labels)  # half in the tail
+    y = jnp.asarray(labels)
+    if teacher:
+        rng = np.random.default_rng(1)  # distinct tokens per row, three of each even row's in the tail
+        idx = np.stack([np.concatenate([rng.choice(256, 6 - 3 * (r % 2 == 0), replace=False),
+                                        256 + rng.choice(44, 3 * (r % 2 == 0), replace=False)])
+                        for r in range(24)]).astype(inp.target_indices.dtype)  # fmt: skip
+        inp = replace(inp, target_indices=idx)
+        t = jnp.asarray(inp.target)
+        options = dict(weight_hard_loss=0.5, z_loss_weight=1e-3)
+
+        def loss(x, w, backend):
+            return jax_kl.fused_linear_kl_div(
+                x, w, t, y, target_format=fmt, target_indices=jnp.asarray(idx), backend=backend, chunk_size=8,
+                **options,
+            )  # fmt: skip
+    else:
+        options = dict(z_loss_weight=1e-3, softcap=30.0)
+
+        def loss(x, w, backend):
+            return jax_kl.fused_linear_cross_entropy(x, w, y, backend=backend, chunk_size=8, **options)
+
+    results = {}
+    for label, backend in (("parts", FACTORED), ("whole", replace(FACTORED, vocab_parts=False))):
+        value, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)), static_argnums=2)(x, w, backend)
+        results[label] = Outputs(float(value), *(np.asarray(g.astype(jnp.float32), np.float64) for g in grads), None)
+    assert len(calls) == 3 * 2 + 3  # each part of three chunks, then the whole vocabulary's three
+    got, whole = results["parts"], results["whole"]
+    assert got.loss == pytest.approx(whole.loss, rel=1e-6)
+    for a, b in ((got.grad_x, whole.grad_x), (got.grad_weight, whole.grad_weight)):
+        assert np.linalg.norm(a - b) <= 2e-3 * np.linalg.norm(b)
+    inp = replace(inp, labels=labels)
+    fn = "kl_div" if teacher else "cross_entropy"
+    assert_matches(got, inp, fn=fn, tolerance=0.05, grad_tolerance=2e-2, **options)
+
+
 def test_rows_with_sparse_values_and_no_dense_part_are_zeroed() -> None:
     """``q_factor = 0`` (a top-k row whose factor K vanishes, without the hard term): ``settle``
     zeroes the row's ``E`` and writes its top-k entries alone."""
@@ -197,9 +246,10 @@ def test_rows_with_sparse_values_and_no_dense_part_are_zeroed() -> None:
     at = jnp.asarray([[3, 9]] * rows)
     values = jnp.full((rows, 2), -0.25).at[5].set(0.0)  # row 5: no dense part, no sparse value
     mask = jnp.ones((rows, 2), bool)
-    fac = jax_factored.settle(e, row_max, stats, q_factor, jnp.zeros(rows), None, loss, (at, values, mask), x, w)
+    parts = [VocabPart(e, None, 0, xla_phases)]
+    fac = jax_factored.settle(parts, row_max, stats, q_factor, jnp.zeros(rows), None, loss, (at, values, mask), x, w)
     assert fac.label is None
-    g = np.asarray(fac.alpha, np.float64)[:, None] * np.asarray(fac.e.astype(jnp.float32), np.float64)
+    g = np.asarray(fac.alpha, np.float64)[:, None] * np.asarray(fac.e[0].astype(jnp.float32), np.float64)
     for r in (0, 2, 3):  # an ordinary row, one below the window and one whose E overflowed
         assert np.count_nonzero(g[r]) == 2 and np.allclose(g[r, [3, 9]], -0.25, rtol=1e-2)
     assert (g[5] == 0).all()
@@ -274,12 +324,13 @@ def test_a_kl_call_does_not_factor(monkeypatch) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("teacher", [False, True])
-@pytest.mark.parametrize("n", [1000, 4096])
-def test_on_the_gpu_the_mosaic_pass_matches_the_unfactored_chunks(n: int, teacher: bool) -> None:
+@pytest.mark.parametrize(("n", "v"), [(1000, 32000), (4096, 32000), (1000, 32003)])
+def test_on_the_gpu_the_mosaic_pass_matches_the_unfactored_chunks(n: int, v: int, teacher: bool) -> None:
+    """At V = 32003 the aligned part runs the Mosaic GPU pass and the three columns left XLA's."""
     if jax.default_backend() != "gpu" or resolve("pallas").factored is None:
         pytest.skip("the Mosaic GPU kernels need a Hopper GPU and jax >= 0.11")
     key = jax.random.split(jax.random.key(0), 4)
-    v, h, k = 32000, 1024, 64
+    h, k = 1024, 64
     x = jax.random.normal(key[0], (n, h), jnp.bfloat16)
     w = (jax.random.normal(key[1], (v, h)) * 0.05).astype(jnp.bfloat16)
     x = x.at[7, :].multiply(40.0)  # a row above the window: remade

@@ -115,8 +115,9 @@ class Backend(NamedByEntry):
         return self.phases  # type: ignore[return-value]
 
     def factors(self, z: jax.Array) -> bool:
-        """Whether a chunk of logits ``z`` (one array, of a call ``jax_kl.factored.takes``) is
-        factored: where the phases that would run it (:meth:`chunk_phases`) are ``factored``."""
+        """Whether a chunk whose logits (or their aligned part, ``vocab_parts``) are ``z``, of a
+        call ``jax_kl.factored.takes``, is factored: where the phases that would run ``z``
+        (:meth:`chunk_phases`) are ``factored``; the rest's phases run their own ``exp_stats``."""
         return self.factored is not None and self.chunk_phases(z, None) is self.factored
 
 
