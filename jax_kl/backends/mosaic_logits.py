@@ -141,7 +141,9 @@ def exp_stats(z: Product, y: jax.Array | None, loss: Loss) -> tuple[jax.Array, j
     x, w = z
     assert fits(x, w), "exp_stats needs the kernel's shapes (fits)"
     rows, v = z.shape
-    halves = jax.ShapeDtypeStruct((v // TILE_N, rows), jnp.float32)
+    # The halves' row statistics are stored whole 128-row tiles at a time: a store past the last
+    # row of a 1-D slice would reach the next half's first rows.
+    halves = jax.ShapeDtypeStruct((v // TILE_N, pl.cdiv(rows, CTA_M) * CTA_M), jnp.float32)
     mesh = plgpu.Mesh(grid=(sms(),), grid_names=("sm",), num_threads=3, thread_name="wg", kernel_name=NAME)
     params = plgpu.CompilerParams(
         lowering_semantics=plgpu.LoweringSemantics.Warpgroup, approx_math=pallas_mosaic.APPROX_MATH
@@ -152,6 +154,7 @@ def exp_stats(z: Product, y: jax.Array | None, loss: Loss) -> tuple[jax.Array, j
     )  # fmt: skip
     with unchecked_vma():
         e, top, total = kernel(x, w)
+    top, total = top[:, :rows], total[:, :rows]
     return e, row_stats(top, total, z, y, loss), jnp.max(top, axis=0)
 
 
