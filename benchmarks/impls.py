@@ -328,8 +328,6 @@ def build() -> dict[str, Impl]:
         impls["jax_kl/pallas-whole-vocab"] = Impl("jax", _jitted(_jax_kl_variant(vocab_parts=False)))
         # the cross-entropy's chunks through the row phases (stats, finish), not factored
         impls["jax_kl/pallas-unfactored"] = Impl("jax", _jitted(_jax_kl_variant(factored=None)))
-        # a factored chunk's E made by XLA's logits GEMM and a pass, not in the GEMM's epilogue
-        impls["jax_kl/pallas-unfused-logits"] = Impl("jax", _jitted(_jax_kl_variant(fused_logits=None)))
         # every chunk's row phases on XLA: prices the Mosaic GPU phases (and at an unaligned
         # vocabulary with a dense teacher, the aligned copy of its columns they read)
         impls["jax_kl/pallas-xla-phases"] = Impl("jax", _jitted(_jax_kl_variant(mosaic_phases=None)))

@@ -99,8 +99,10 @@ def forward(
         )
         y, kept_rows, rw, row_scales, topk = _per_row(start, stop)
         ts = teachers.dense_chunk(loss, teacher, start, stop, hidden, vocab_cols)
-        parts = _parts(xc, weight, bias, x.dtype, ts, vocab_cols, backend, factors and topk is None)
-        zs = [p.z for p in parts]
+        zs = gemm.logits(xc, weight, bias, x.dtype, vocab_cols)
+        parts = tuple(
+            VocabPart(z, t, c.start, backend.chunk_phases(z, t)) for z, t, c in zip(zs, ts, vocab_cols, strict=True)
+        )
         alpha, x_w = None, xc  # a factored chunk's row scale and what grad_weight's GEMM reads with E
         if factors and backend.factors(zs[0]):
             (row_loss, own_loss), fac = jax_factored.chunk(
@@ -153,26 +155,6 @@ def forward(
     grad_w = None if grad_w is None else unscaled(grad_w, weight.dtype)
     grad_b = None if grad_b is None else unscaled(grad_b, bias.dtype)  # type: ignore[union-attr]
     return total, rows, grad_x, grad_w, grad_b
-
-
-def _parts(
-    xc: jax.Array, weight: jax.Array, bias: jax.Array | None, dtype, ts: list, vocab_cols: tuple[slice, ...],
-    backend: Backend, fuse: bool,
-) -> tuple[VocabPart, ...]:  # fmt: skip
-    """The chunk's vocabulary parts, each with its logits and the row phases that run it. With
-    ``fuse`` (a factored chunk's logits read by nothing but its pass), a first part that
-    ``backend.fused_logits`` fits is not multiplied here: its ``z`` is that module's ``Product``,
-    which its ``exp_stats`` makes into ``E`` in one kernel."""
-    fused = backend.fused_logits
-    first = vocab_cols[0]
-    head = jax.ShapeDtypeStruct((first.stop - first.start, weight.shape[1]), weight.dtype)
-    if fuse and fused is not None and fused.fits(xc, head) and backend.factors(fused.Product(xc, head)):
-        zs = [fused.Product(xc, weight[first]), *gemm.logits(xc, weight, bias, dtype, vocab_cols[1:])]
-        phases = [fused, *(backend.chunk_phases(z, t) for z, t in zip(zs[1:], ts[1:], strict=True))]
-    else:
-        zs = gemm.logits(xc, weight, bias, dtype, vocab_cols)
-        phases = [backend.chunk_phases(z, t) for z, t in zip(zs, ts, strict=True)]
-    return tuple(VocabPart(z, t, c.start, f) for z, t, c, f in zip(zs, ts, vocab_cols, phases, strict=True))
 
 
 def _hidden_rows(loss: Loss, teacher: TeacherArrays, start: int, stop: int) -> jax.Array | None:

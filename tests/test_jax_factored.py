@@ -6,7 +6,6 @@ Mosaic GPU kernel (Hopper only), which the GPU test runs."""
 from __future__ import annotations
 
 from dataclasses import replace
-from types import ModuleType
 
 import numpy as np
 import pytest
@@ -20,7 +19,7 @@ from fused_kl import factored, rowmath  # noqa: E402
 from fused_kl.chunk import VocabPart  # noqa: E402
 from fused_kl.loss import Loss, Teacher  # noqa: E402
 from jax_kl import factored as jax_factored  # noqa: E402
-from jax_kl.backends import mosaic_logits, resolve, xla_phases  # noqa: E402
+from jax_kl.backends import resolve, xla_phases  # noqa: E402
 from jax_kl.layout import SINGLE  # noqa: E402
 
 FACTORED = replace(resolve("xla"), factored=xla_phases)
@@ -232,65 +231,6 @@ def test_an_unaligned_vocabulary_factors_its_parts_as_one_array(monkeypatch, tea
     inp = replace(inp, labels=labels)
     fn = "kl_div" if teacher else "cross_entropy"
     assert_matches(got, inp, fn=fn, tolerance=0.05, grad_tolerance=2e-2, **options)
-
-
-def _fused_in_xla(calls: list):
-    """A stand-in for ``mosaic_logits`` (Hopper only; its kernel runs in the GPU test): the same
-    ``Product``, ``fits`` and ``row_stats``, the kernel's outputs made by XLA from float32
-    products, 128 columns a half."""
-
-    def exp_stats(z, y, loss):
-        calls.append(z.shape)
-        x, w = z
-        f32 = jnp.dot(x, w.T, preferred_element_type=jnp.float32)
-        a = factored.exponent(f32, loss, jnp).reshape(x.shape[0], -1, 128)
-        top = a.max(-1)
-        total = jnp.exp(a - top[..., None]).sum(-1)
-        e = factored.exponentials(f32, loss, jnp).astype(x.dtype)
-        return e, mosaic_logits.row_stats(top.T, total.T, z, y, loss), top.max(-1)
-
-    module = ModuleType("fused_in_xla")  # hashable, as a backend's modules are (a static argument)
-    module.Product, module.fits, module.exp_stats = mosaic_logits.Product, mosaic_logits.fits, exp_stats
-    return module
-
-
-@pytest.mark.parametrize("v", [256, 300])
-@pytest.mark.parametrize("name", ["plain", "z-loss, sum", "capped, scaled"])
-def test_the_fused_logits_gemm_is_called_with_the_chunks_inputs(v: int, name: str) -> None:
-    """The driver hands a factored cross-entropy chunk's inputs (its aligned part's, at V = 300)
-    to ``fused_logits``, which makes ``E`` and the statistics without XLA's logits GEMM; the label's
-    logit is a float32 dot product: the result matches float64 and the unfused chunks."""
-    options, calls = OPTIONS[name], []
-    inp = make_inputs(40, 64, v, dtype="bfloat16", seed=11, ignore_frac=0.25)
-    x, w = jnp.asarray(inp.x, jnp.bfloat16), jnp.asarray(inp.weight, jnp.bfloat16)
-    y = jnp.asarray(inp.labels, jnp.int32)
-    fused = replace(FACTORED, fused_logits=_fused_in_xla(calls))
-
-    def loss(x, w, backend):
-        return jax_kl.fused_linear_cross_entropy(x, w, y, backend=backend, chunk_size=16, **options)
-
-    results = {}
-    for label, backend in (("fused", fused), ("unfused", FACTORED)):
-        value, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)), static_argnums=2)(x, w, backend)
-        results[label] = Outputs(float(value), *(np.asarray(g.astype(jnp.float32), np.float64) for g in grads), None)
-    assert calls == [(16, 256), (16, 256), (8, 256)]  # each chunk's aligned part, once
-    assert_matches(results["fused"], inp, fn="cross_entropy", **options)
-    got, other = results["fused"], results["unfused"]
-    assert got.loss == pytest.approx(other.loss, rel=2e-3)
-    for a, b in ((got.grad_x, other.grad_x), (got.grad_weight, other.grad_weight)):
-        assert np.linalg.norm(a - b) <= 1e-2 * np.linalg.norm(b)
-
-
-def test_a_topk_teacher_keeps_the_logits_gemm() -> None:
-    """A top-k teacher reads the logits at its tokens before the pass: no fused GEMM."""
-    calls: list = []
-    inp = make_inputs(16, 64, 256, dtype="bfloat16", target_format="topk_log_probs", k=4, seed=2)
-    x, w = jnp.asarray(inp.x, jnp.bfloat16), jnp.asarray(inp.weight, jnp.bfloat16)
-    t, idx, y = jnp.asarray(inp.target), jnp.asarray(inp.target_indices), jnp.asarray(inp.labels)
-    backend = replace(FACTORED, fused_logits=_fused_in_xla(calls))
-    jax.grad(lambda x: jax_kl.fused_linear_kl_div(
-        x, w, t, y, target_format="topk_log_probs", target_indices=idx, backend=backend))(x)  # fmt: skip
-    assert not calls
 
 
 def test_rows_with_sparse_values_and_no_dense_part_are_zeroed() -> None:

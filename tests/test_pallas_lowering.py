@@ -8,7 +8,6 @@ and ``"auto"`` resolve to with and without Mosaic GPU. Their numbers are tested 
 from __future__ import annotations
 
 import dataclasses
-import re
 
 import pytest
 
@@ -351,23 +350,3 @@ def test_vocabulary_parts_split_where_the_in_place_add_takes_the_aligned_part() 
     assert _mosaic_calls(_as_on_hopper(vocab_parts=False), 1024, 256, 8291) == (0, 0)  # one part: all on XLA
     # a dense teacher's aligned columns go with the aligned part: its stats and finish too
     assert _mosaic_calls(_as_on_hopper(), 1024, 256, 8291, probs=True) == (4 * 3 + 1, 3)
-
-
-def test_a_factored_cross_entropy_chunk_makes_e_in_its_logits_gemm() -> None:
-    """With ``fused_logits`` each chunk of the bf16 cross-entropy is made from its inputs by one
-    Mosaic GPU kernel (no XLA product makes its logits, no pass reads them); without it, XLA's
-    GEMM and the Mosaic GPU pass. At V = 8291 the aligned part alone is fused."""
-    from jax_kl.backends import mosaic_logits
-
-    def count(backend, v: int) -> tuple[int, int, int]:
-        lines = _grad_weight_lowering(backend, 1024, 256, v).splitlines()
-        aligned = v - v % 128
-        logits = sum("stablehlo.dot_general" in line and f"-> tensor<256x{aligned}xbf16>" in line for line in lines)
-        fused = sum(mosaic_logits.NAME in line for line in lines)
-        passes = sum(bool(re.search(r"custom_call @mosaic_gpu\w*\(%[^,)]+\)", line)) for line in lines)  # one operand
-        return logits, fused, passes
-
-    on_hopper = _as_on_hopper(factored=pallas_mosaic, fused_logits=mosaic_logits)
-    assert count(on_hopper, 8192) == (0, 4, 0)  # four chunks of 256 rows
-    assert count(dataclasses.replace(on_hopper, fused_logits=None), 8192) == (4, 0, 4)
-    assert count(on_hopper, 8291) == (0, 4, 0)  # the 99 columns left: XLA's GEMM and pass

@@ -94,11 +94,7 @@ class Backend(NamedByEntry):
     (``fused_kl.chunk.LabelTerm``; False prices that);
     ``factored``: the row phases' module whose ``exp_stats`` pass writes a factored chunk's ``E``
     (``jax_kl.factored``), used where :meth:`factors` says so, or None (every chunk runs the
-    phases; the benchmark's ``jax_kl/pallas-unfactored`` prices that);
-    ``fused_logits``: the module whose ``exp_stats`` makes a factored chunk's ``E`` from its
-    inputs, the logits GEMM with that pass in its epilogue (``mosaic_logits``), where its ``fits``
-    takes the chunk's (aligned) part and no top-k teacher reads the logits, or None (XLA's GEMM,
-    then the pass; the benchmark's ``jax_kl/pallas-unfused-logits`` prices that)."""
+    phases; the benchmark's ``jax_kl/pallas-unfactored`` prices that)."""
 
     entry: Registered
     compute: Compute
@@ -108,7 +104,6 @@ class Backend(NamedByEntry):
     vocab_parts: bool = True
     label_apart: bool = True
     factored: ModuleType | None = None
-    fused_logits: ModuleType | None = None
 
     def chunk_phases(self, z: jax.Array, t: object) -> ModuleType:
         """The row phases of one chunk (``z`` its logits, ``t`` its dense teacher or None): the
@@ -143,15 +138,6 @@ def _mosaic_phases() -> ModuleType | None:
     return pallas_mosaic
 
 
-def _fused_logits() -> ModuleType | None:
-    """``mosaic_logits`` where Mosaic GPU runs, else None."""
-    if mosaic_missing() is not None:
-        return None
-    from . import mosaic_logits
-
-    return mosaic_logits
-
-
 def _in_place_grad_weight() -> ModuleType | None:
     """``mosaic_accumulate`` where Mosaic GPU runs and XLA does not fold the add itself
     (:func:`xla_folds_the_add`), else None."""
@@ -169,19 +155,14 @@ def _pallas(entry: Registered) -> Backend:
     mosaic = _mosaic_phases()
     if mosaic is None:
         return Backend(entry, forward, pallas_triton)
-    return Backend(
-        entry, forward, xla_phases, mosaic, _in_place_grad_weight(), factored=mosaic, fused_logits=_fused_logits()
-    )
+    return Backend(entry, forward, xla_phases, mosaic, _in_place_grad_weight(), factored=mosaic)
 
 
 def _pallas_mosaic(entry: Registered) -> Backend:
     from ..driver import forward
     from . import pallas_mosaic
 
-    return Backend(
-        entry, forward, pallas_mosaic, in_place_grad_weight=_in_place_grad_weight(), factored=pallas_mosaic,
-        fused_logits=_fused_logits(),
-    )  # fmt: skip
+    return Backend(entry, forward, pallas_mosaic, in_place_grad_weight=_in_place_grad_weight(), factored=pallas_mosaic)
 
 
 def _pallas_triton(entry: Registered) -> Backend:

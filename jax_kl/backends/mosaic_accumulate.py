@@ -61,15 +61,13 @@ def fits(acc: jax.Array, g: jax.Array, x: jax.Array) -> bool:
     return same and tiled and acc.shape[0] >= v and acc.shape[1] == h and x.shape[0] == rows
 
 
-def sms() -> int:
+def _sms() -> int:
     """One program per multiprocessor; an H100's count where no GPU can be asked (lowering on CPU)."""
     device = jax.devices()[0]
     return (getattr(device, "core_count", None) if device.platform == "gpu" else None) or H100_SMS
 
 
-def operand_transforms(dtype, minor: int) -> tuple:
-    """A shared-memory operand slice's layout, ``minor`` elements a row: the widest swizzle of
-    its rows, tiled in 8-row groups (what WGMMA reads)."""
+def _transforms(dtype, minor: int) -> tuple:
     swizzle = plgpu.find_swizzle(minor * jnp.dtype(dtype).itemsize * 8)
     return plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle)
 
@@ -88,7 +86,7 @@ def _slice_transforms(dtype: jnp.dtype) -> tuple:
 def _operand(cols: int, dtype) -> plgpu.BlockSpec:
     """Step ``k``'s ``[TILE_K, cols]`` slice of an operand: its rows ``k * TILE_K ...``; past the
     chunk's last row the TMA reads zeros, which add nothing."""
-    transforms = operand_transforms(dtype, TILE_K)
+    transforms = _transforms(dtype, TILE_K)
     return plgpu.BlockSpec((TILE_K, cols), lambda k: (k, 0), transforms=transforms, delay_release=DELAY)
 
 
@@ -174,7 +172,7 @@ def _body(g_gmem, x_gmem, acc_gmem, add: bool = True):
 
 def _kernel(out_type: jax.ShapeDtypeStruct | None = None):
     """The in-place add; with ``out_type``, the product into a fresh array of that shape."""
-    mesh = plgpu.Mesh(grid=(sms(),), grid_names=("sm",), num_threads=3, thread_name="wg", kernel_name=NAME)
+    mesh = plgpu.Mesh(grid=(_sms(),), grid_names=("sm",), num_threads=3, thread_name="wg", kernel_name=NAME)
     params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
     body, out = (_body, ()) if out_type is None else (functools.partial(_body, add=False), out_type)
     return pl.kernel(body, out_type=out, mesh=mesh, compiler_params=params, name=NAME)
