@@ -32,6 +32,7 @@ import math
 import jax
 from jax import lax
 from jax import shard_map as _shard_map
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from fused_kl.backend import Compute
@@ -124,9 +125,22 @@ def _sharded(
 
     grads_specs = (P(b, None) if needs.x else None, P(v, None) if needs.weight else None, P(v) if needs.bias else None)
     out_specs = (P(), P(b), *grads_specs)  # every vocabulary shard holds its rows' whole row losses
-    return _shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(
-        x, weight, bias, teacher, labels, row_weight
-    )
+    arrays = _placed(mesh, in_specs, (x, weight, bias, teacher, labels, row_weight))
+    return _shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*arrays)
+
+
+def _placed(mesh, specs: tuple, arrays: tuple) -> tuple:
+    """Each concrete array put on ``mesh`` as its spec says, as ``jit`` reshards its inputs: a
+    NumPy array or a JAX array not committed to devices (``jnp.asarray``'s, on the default
+    device) is taken by an eager call as by a jitted one. A traced array is left to its trace;
+    an array already so placed is not copied."""
+
+    def put(spec, a):
+        if a is None or isinstance(a, jax.core.Tracer):
+            return a
+        return jax.device_put(a, NamedSharding(mesh, spec))
+
+    return jax.tree.map(put, specs, arrays, is_leaf=lambda s: s is None or isinstance(s, P))
 
 
 def run_sharded(

@@ -35,7 +35,9 @@ def _kind(dtype: np.dtype) -> str:
 
 
 def _device(value: object) -> str | None:
-    if isinstance(value, jax.core.Tracer) or not isinstance(value, jax.Array):
+    """Where an array is committed, or None where JAX places it for the call (a NumPy array, a
+    traced one, or a JAX array not committed to devices, as ``jnp.asarray`` makes them)."""
+    if isinstance(value, jax.core.Tracer) or not isinstance(value, jax.Array) or not value.committed:
         return None
     return ",".join(sorted(str(d) for d in value.devices()))
 

@@ -216,6 +216,30 @@ def _row_weights() -> None:
 CASES["row_weights[bv]"] = _row_weights
 
 
+def _eager_mesh_places_its_inputs() -> None:
+    """An eager ``mesh=`` call takes what a jitted one does: beside global arrays on the mesh,
+    labels and row weights as ``jnp.asarray`` makes them (on the default device, not committed)
+    or as NumPy arrays; loss, row losses and gradients equal the whole arrays' (eager ``jax.grad``)."""
+    mesh = _mesh()
+    p = {**problem("logits"), "row_weight": jnp.asarray(np.random.default_rng(4).uniform(0, 2, 16))}
+    f = loss_fn("logits", dict(weight_hard_loss=0.5, chunk_size=5, return_row_losses=True))
+    sp = specs(p, "logits", "b", "v")
+    on_mesh = {k: jax.device_put(p[k], NamedSharding(mesh, sp[k])) for k in ("x", "weight", "target")}
+    want_grads = jax.grad(lambda x: f({**p, "x": x})[0])(p["x"])
+    want_loss, want_rows = f(p)
+    for make in (jnp.asarray, np.asarray):
+        rest = {k: make(p[k]) for k in ("labels", "row_weight")}
+        assert not getattr(rest["labels"], "committed", False)
+        loss, rows = f({**on_mesh, **rest}, mesh=mesh, batch_axis="b", vocab_axis="v")
+        close(f"{make.__module__}: loss", loss, want_loss)
+        close(f"{make.__module__}: row losses", rows, want_rows)
+        sharded = lambda x, rest=rest: f({**on_mesh, **rest, "x": x}, mesh=mesh, batch_axis="b", vocab_axis="v")[0]
+        close(f"{make.__module__}: grad_x", jax.grad(sharded)(on_mesh["x"]), want_grads)
+
+
+CASES["eager_mesh_places_its_inputs[bv]"] = _eager_mesh_places_its_inputs
+
+
 def _auto_as_on_gpu() -> None:
     """ "auto" picks Pallas on a GPU: inside shard_map with check_vma=True it takes "xla" instead."""
     import jax_kl.backends
