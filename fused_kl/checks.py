@@ -197,6 +197,15 @@ def _same_device(name: str, facts: ArrayFacts, ref: ArrayFacts, ref_name: str = 
         raise ValueError(f"{name}: expected the device of {ref_name} ({ref.device}), got {facts.device}")
 
 
+def _device_reference(arrays: dict[str, ArrayFacts | None]) -> tuple[ArrayFacts, str]:
+    """The array every other's device is checked against, and its name: ``x``, or where ``x``
+    has none (a NumPy array, or a JAX array the call places), the first array that has one."""
+    x = arrays["x"]
+    assert x is not None
+    placed = [(facts, name) for name, facts in arrays.items() if facts is not None and facts.device is not None]
+    return (x, "x") if x.device is not None or not placed else placed[0]
+
+
 def _float_array(name: str, facts: ArrayFacts, dtype: str | None = None, what: str = "") -> None:
     if facts.kind != "float" or (dtype is not None and facts.dtype != dtype):
         want = f"the dtype of {what} ({dtype})" if dtype else "a floating-point array"
@@ -221,7 +230,8 @@ def check_arrays(loss: Loss, arrays: dict[str, ArrayFacts | None], v_total: int 
             raise TypeError(f"{name}: expected a float32, bfloat16 or float16 array, got {facts.dtype}")
     if weight.dtype != x.dtype:
         raise TypeError(f"weight: expected the dtype of x ({x.dtype}), got {weight.dtype}")
-    _same_device("weight", weight, x)
+    ref = _device_reference(arrays)
+    _same_device("weight", weight, *ref)
     if len(x.shape) not in (2, 3):
         raise ValueError(f"x: expected shape [N, H] or [B, T, H], got {_shape(x)}")
     if len(weight.shape) != 2:
@@ -236,11 +246,11 @@ def check_arrays(loss: Loss, arrays: dict[str, ArrayFacts | None], v_total: int 
         raise ValueError(f"weight: expected shape [V, {h}] (H = x.shape[-1]), got {_shape(weight)}")
     lead = x.shape[:-1]
     n = math.prod(lead)
-    t_size = _check_teacher(loss, arrays, x, lead, v, v_total or v) if loss.teacher is not None else 0
+    t_size = _check_teacher(loss, arrays, ref, lead, v, v_total or v) if loss.teacher is not None else 0
 
     if labels is not None:
         _int_array("labels", labels, lead, "x's leading dims")
-        _same_device("labels", labels, x)
+        _same_device("labels", labels, *ref)
         _check_labels_hold_ignore_index(labels.dtype, loss.ignore_index)
     elif loss.cross_entropy:
         raise ValueError(f"labels: required ({labels_role(loss)}), got None")
@@ -250,25 +260,28 @@ def check_arrays(loss: Loss, arrays: dict[str, ArrayFacts | None], v_total: int 
             raise TypeError(f"row_weight: expected a floating-point array, got {row_weight.dtype}")
         if row_weight.shape != lead:
             raise ValueError(f"row_weight: expected shape {_dims(lead)} (x's leading dims), got {_shape(row_weight)}")
-        _same_device("row_weight", row_weight, x)
+        _same_device("row_weight", row_weight, *ref)
     if bias is not None:
         _float_array("bias", bias, x.dtype, "x")
         if bias.shape != (v,):
             raise ValueError(f"bias: expected shape [{v}] (V), got {_shape(bias)}")
-        _same_device("bias", bias, x)
+        _same_device("bias", bias, *ref)
     return Shapes(n=n, h=h, v=v, t=t_size)
 
 
 def _check_teacher(
-    loss: Loss, arrays: dict[str, ArrayFacts | None], x: ArrayFacts, lead: tuple[int, ...], v: int, v_total: int
+    loss: Loss, arrays: dict[str, ArrayFacts | None], ref: tuple[ArrayFacts, str], lead: tuple[int, ...], v: int,
+    v_total: int,
 ) -> int:
-    """The teacher's arrays by format; returns the target's last size."""
+    """The teacher's arrays by format (``ref``: the array devices are checked against, and its
+    name); returns the target's last size."""
     fmt = loss.teacher.format  # type: ignore[union-attr]
     target, tw, tb, idx = (arrays.get(k) for k in ("target", "teacher_weight", "teacher_bias", "target_indices"))
     if target is None:
         raise ValueError("target: required, got None")
     _float_array("target", target, None)
-    _same_device("target", target, x)
+    _same_device("target", target, *ref)
+    head_ref = (target, "target") if target.device is not None else ref  # the teacher head beside its states
     check_teacher_arrays(fmt, arrays)
     if fmt == "hidden":
         if len(target.shape) != len(lead) + 1 or target.shape[:-1] != lead:
@@ -279,7 +292,7 @@ def _check_teacher(
         if tw is None:
             raise teacher_weight_required()
         _float_array("teacher_weight", tw, target.dtype, "target")
-        _same_device("teacher_weight", tw, target, "target")
+        _same_device("teacher_weight", tw, *head_ref)
         if len(tw.shape) != 2 or tw.shape[1] != target.shape[-1]:
             raise ValueError(f"teacher_weight: expected shape [V, {target.shape[-1]}], got {_shape(tw)}")
         if tw.shape[0] != v:
@@ -289,7 +302,7 @@ def _check_teacher(
             )
         if tb is not None:
             _float_array("teacher_bias", tb, target.dtype, "target")
-            _same_device("teacher_bias", tb, target, "target")
+            _same_device("teacher_bias", tb, *head_ref)
             if tb.shape != (v,):
                 raise ValueError(f"teacher_bias: expected shape [{v}] (V), got {_shape(tb)}")
         return target.shape[-1]
@@ -305,7 +318,7 @@ def _check_teacher(
         if idx is None:
             raise ValueError("target_indices: required with target_format='topk_log_probs' (the tokens of target)")
         _int_array("target_indices", idx, (*lead, k), "target's shape")
-        _same_device("target_indices", idx, x)
+        _same_device("target_indices", idx, *ref)
         return k
     if target.shape != (*lead, v):
         raise ValueError(f"target: expected shape {_dims((*lead, v))} (x's leading dims, V), got {_shape(target)}")

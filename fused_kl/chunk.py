@@ -118,13 +118,14 @@ class VocabPart(NamedTuple):
     phases: Any
 
 
-def _in_part(at: Any, part: VocabPart) -> Any:
+def in_part(at: Any, part: VocabPart) -> Any:
+    """Whether the vocabulary columns ``at`` lie in ``part``."""
     return (at >= part.start) & (at < part.start + part.z.shape[1])
 
 
-def _column_in(at: Any, part: VocabPart, xp: Any) -> Any:
+def column_in(at: Any, part: VocabPart, xp: Any) -> Any:
     """``at`` as columns of ``part`` (0 where outside it)."""
-    return xp.where(_in_part(at, part), at - part.start, 0)
+    return xp.where(in_part(at, part), at - part.start, 0)
 
 
 def row_phases(
@@ -183,7 +184,7 @@ def row_phases(
         def logits_at(at: Any, _: Any) -> Any:
             if len(parts) == 1:
                 return ops.gather(parts[0].z, at)
-            return sum(xp.where(_in_part(at, p), ops.gather(p.z, _column_in(at, p, xp)), 0.0) for p in parts)
+            return sum(xp.where(in_part(at, p), ops.gather(p.z, column_in(at, p, xp)), 0.0) for p in parts)
 
         row_scales = (scales.soft, scales.hard, rowmath.z_scale(stats, scales))
         soft, topk_const, at, g_at, write = topk_part(
@@ -213,7 +214,7 @@ def row_phases(
         gs = (ops.set_at(gs[0], at, g_at, write),)
     elif topk is not None and write_grad:
         gs = tuple(
-            ops.set_at(g, _column_in(at, p, xp), g_at, write & _in_part(at, p)) for g, p in zip(gs, parts, strict=True)
+            ops.set_at(g, column_in(at, p, xp), g_at, write & in_part(at, p)) for g, p in zip(gs, parts, strict=True)
         )
     losses = rowmath.row_losses(stats, keep, soft, row_weight, weights, loss, v_total, xp)
     return (gs if write_grad else None), label, *losses

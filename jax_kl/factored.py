@@ -2,7 +2,8 @@
 with ``torch_kl/backends/triton_factored.py``): the cross-entropy, the z-loss, top-k teachers.
 
 The backend's ``exp_stats`` pass reads the chunk's logits once and writes ``E`` over them with
-the rows' statistics: no ``stats`` pass before it, no ``finish`` pass after. The label's logit
+the rows' statistics (at an unaligned vocabulary, one pass per part, ``fused_kl.chunk.VocabPart``,
+their statistics combined): no ``stats`` pass before it, no ``finish`` pass after. The label's logit
 and a top-k teacher's tokens' logits are gathered before it. A row whose maximum left the
 window (``fused_kl.factored.in_window``) is remade from its float32 logits with its own
 log-sum-exp as the shift, :data:`REMADE_ROWS` rows a GEMM, in a loop that runs no step where
@@ -22,7 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from fused_kl import factored, rowmath
-from fused_kl.chunk import LabelTerm, VocabPart, label_term, local_labels, topk_part
+from fused_kl.chunk import LabelTerm, VocabPart, column_in, in_part, label_term, local_labels, topk_part
 from fused_kl.loss import Loss
 from fused_kl.rows import STATS
 
@@ -81,10 +82,6 @@ def _remade(es: tuple[jax.Array, ...], starts: Sequence[int], bad: jax.Array, q_
     return lax.fori_loop(0, steps, remake, tuple(es))
 
 
-def _inside(at: jax.Array, part: VocabPart) -> jax.Array:
-    return (at >= part.start) & (at < part.start + part.z.shape[1])
-
-
 def chunk(
     parts: Sequence[VocabPart], xc: jax.Array, weight: jax.Array, y: jax.Array | None, keep: jax.Array,
     row_weight: jax.Array | None, scales: rowmath.RowScales, topk: tuple[jax.Array, jax.Array] | None, v0: Any,
@@ -101,8 +98,7 @@ def chunk(
         idx = topk[1]
         at = jnp.where((idx >= v0) & (idx < v0 + width), idx - v0, 0)
         at_tokens = sum(
-            jnp.where(_inside(at, p), OPS.gather(z, jnp.where(_inside(at, p), at - p.start, 0)), 0.0)
-            for p, z in zip(parts, zs, strict=True)
+            jnp.where(in_part(at, p), OPS.gather(z, column_in(at, p, jnp)), 0.0) for p, z in zip(parts, zs, strict=True)
         )
         zs, at_tokens = OPS.materialize(zs, at_tokens)
     passes = [
@@ -157,7 +153,7 @@ def settle(
     if sparse is not None:
         scaled = values / jnp.where(alpha == 0, 1.0, alpha)[:, None]
         es = tuple(
-            OPS.set_at(e, jnp.where(_inside(at, p), at - p.start, 0), scaled, write & _inside(at, p))
+            OPS.set_at(e, column_in(at, p, jnp), scaled, write & in_part(at, p))
             for e, p in zip(es, parts, strict=True)
         )
     label = None

@@ -130,13 +130,17 @@ def _sharded(
 
 
 def _placed(mesh, specs: tuple, arrays: tuple) -> tuple:
-    """Each concrete array put on ``mesh`` as its spec says, as ``jit`` reshards its inputs: a
-    NumPy array or a JAX array not committed to devices (``jnp.asarray``'s, on the default
-    device) is taken by an eager call as by a jitted one. A traced array is left to its trace;
-    an array already so placed is not copied."""
+    """Each concrete array put on ``mesh`` as its spec says where ``jax.jit`` would place it so: a
+    NumPy array, a JAX array not committed to devices (``jnp.asarray``'s, on the default device),
+    or one on the mesh's devices in another layout (an eager ``shard_map`` on a mesh of explicit
+    axes refuses those). An array committed to other devices stays (``jit`` refuses it too, and the
+    device check names it); a traced one is left to its trace."""
+    devices = set(mesh.devices.flat)
 
     def put(spec, a):
         if a is None or isinstance(a, jax.core.Tracer):
+            return a
+        if isinstance(a, jax.Array) and a.committed and set(a.devices()) != devices:
             return a
         return jax.device_put(a, NamedSharding(mesh, spec))
 

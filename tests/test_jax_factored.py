@@ -194,9 +194,13 @@ def test_an_unaligned_vocabulary_factors_its_parts_as_one_array(monkeypatch, tea
     calls = _counting(monkeypatch)
     fmt = "topk_log_probs" if teacher else "probs"
     inp = make_inputs(24, 16, 300, dtype="bfloat16", target_format=fmt, k=6, seed=8, ignore_frac=0.2)
+    xs, ws = inp.x.copy(), inp.weight.copy()
+    ws[:, 0], xs[:, 0] = 1.0, 0.0  # x[:, 0] shifts a row: rows 1, 8, ... above the window, 4, 11, ... below it
+    xs[1::7, 0], xs[4::7, 0] = 58.0, -52.0
+    inp = replace(inp, x=xs, weight=ws)
     x, w = jnp.asarray(inp.x, jnp.bfloat16), jnp.asarray(inp.weight, jnp.bfloat16)
-    x = x.at[1::7, 0].multiply(60.0)
-    inp = replace(inp, x=np.asarray(x.astype(jnp.float32), np.float64))
+    row_max = np.max(np.asarray(x, np.float64) @ np.asarray(w, np.float64).T, axis=1)
+    assert (row_max[1::7] > factored.HI).all() and (row_max[4::7] < factored.LO).all()
     labels = np.where(inp.labels >= 0, np.arange(24) % 2 * 256 + inp.labels % 44, inp.labels)  # half in the tail
     y = jnp.asarray(labels)
     if teacher:
@@ -214,7 +218,7 @@ def test_an_unaligned_vocabulary_factors_its_parts_as_one_array(monkeypatch, tea
                 **options,
             )  # fmt: skip
     else:
-        options = dict(z_loss_weight=1e-3, softcap=30.0)
+        options = dict(z_loss_weight=1e-3, logit_scale=1.25)
 
         def loss(x, w, backend):
             return jax_kl.fused_linear_cross_entropy(x, w, y, backend=backend, chunk_size=8, **options)

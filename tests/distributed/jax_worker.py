@@ -9,6 +9,8 @@ to ``OUT/jax.json``. Modes: ``mesh`` (global arrays, ``mesh=``), ``inside`` / ``
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
 import sys
@@ -220,21 +222,33 @@ def _eager_mesh_places_its_inputs() -> None:
     """An eager ``mesh=`` call takes what a jitted one does: beside global arrays on the mesh,
     labels and row weights as ``jnp.asarray`` makes them (on the default device, not committed)
     or as NumPy arrays; loss, row losses and gradients equal the whole arrays' (eager ``jax.grad``)."""
-    mesh = _mesh()
+    meshes = {"auto axes": _mesh()}
+    if hasattr(jax.sharding, "AxisType") and hasattr(jax, "set_mesh"):  # an eager shard_map there refuses them
+        devices = meshes["auto axes"].devices
+        meshes["explicit axes"] = jax.make_mesh(devices.shape, ("b", "v"), devices=devices.reshape(-1),
+                                                axis_types=(jax.sharding.AxisType.Explicit,) * 2)  # fmt: skip
     p = {**problem("logits"), "row_weight": jnp.asarray(np.random.default_rng(4).uniform(0, 2, 16))}
     f = loss_fn("logits", dict(weight_hard_loss=0.5, chunk_size=5, return_row_losses=True))
     sp = specs(p, "logits", "b", "v")
-    on_mesh = {k: jax.device_put(p[k], NamedSharding(mesh, sp[k])) for k in ("x", "weight", "target")}
     want_grads = jax.grad(lambda x: f({**p, "x": x})[0])(p["x"])
     want_loss, want_rows = f(p)
-    for make in (jnp.asarray, np.asarray):
-        rest = {k: make(p[k]) for k in ("labels", "row_weight")}
-        assert not getattr(rest["labels"], "committed", False)
-        loss, rows = f({**on_mesh, **rest}, mesh=mesh, batch_axis="b", vocab_axis="v")
-        close(f"{make.__module__}: loss", loss, want_loss)
-        close(f"{make.__module__}: row losses", rows, want_rows)
-        sharded = lambda x, rest=rest: f({**on_mesh, **rest, "x": x}, mesh=mesh, batch_axis="b", vocab_axis="v")[0]
-        close(f"{make.__module__}: grad_x", jax.grad(sharded)(on_mesh["x"]), want_grads)
+    for kind, mesh in meshes.items():
+        on_mesh = {k: jax.device_put(p[k], NamedSharding(mesh, sp[k])) for k in ("x", "weight", "target")}
+        for make in (jnp.asarray, np.asarray):
+            rest = {k: make(p[k]) for k in ("labels", "row_weight")}
+            assert not getattr(rest["labels"], "committed", False)
+            what = f"{kind}, {make.__module__}"
+            loss, rows = f({**on_mesh, **rest}, mesh=mesh, batch_axis="b", vocab_axis="v")
+            close(f"{what}: loss", loss, want_loss)
+            close(f"{what}: row losses", rows, want_rows)
+            sharded = lambda x, rest=rest, on_mesh=on_mesh, mesh=mesh: f(
+                {**on_mesh, **rest, "x": x}, mesh=mesh, batch_axis="b", vocab_axis="v"
+            )[0]  # fmt: skip
+            with contextlib.nullcontext() if kind == "auto axes" else jax.set_mesh(mesh):  # explicit axes ask for it
+                close(f"{what}: grad_x", jax.grad(sharded)(on_mesh["x"]), want_grads)
+        # labels committed to one device: moved by neither jit nor the call, refused by name
+        arrays = {**on_mesh, **rest, "labels": jax.device_put(p["labels"], mesh.devices.reshape(-1)[0])}
+        _raises(functools.partial(f, arrays, mesh=mesh, batch_axis="b", vocab_axis="v"), "labels:", "device")
 
 
 CASES["eager_mesh_places_its_inputs[bv]"] = _eager_mesh_places_its_inputs
@@ -309,6 +323,11 @@ def _validation() -> None:
         pallas = jax.shard_map(lambda a, name=name: loss_fn("probs", dict(backend=name))(a, batch_axis="b"),
                                mesh=mesh, in_specs=(sp,), out_specs=P(), check_vma=True)  # fmt: skip
         _raises(lambda pallas=pallas: pallas(p), f"backend: {name!r}", "check_vma=False")
+    # x placed by JAX for the call (NumPy): the first array committed to a device stands for it
+    devices = jax.devices()
+    split = {**{k: np.asarray(a) for k, a in p.items()}, "weight": jax.device_put(p["weight"], devices[1]),
+             "labels": jax.device_put(p["labels"], devices[0])}  # fmt: skip
+    _raises(lambda: f(split), "labels:", "device of weight")
     if hasattr(jax.sharding, "AxisType"):  # a mesh of explicit axes: its arrays need mesh=
         explicit = jax.make_mesh(mesh.devices.shape, ("b", "v"), axis_types=(jax.sharding.AxisType.Explicit,) * 2,
                                  devices=mesh.devices.reshape(-1))  # fmt: skip
