@@ -221,31 +221,31 @@ CASES["row_weights[bv]"] = _row_weights
 def _eager_mesh_places_its_inputs() -> None:
     """An eager ``mesh=`` call takes what a jitted one does: beside global arrays on the mesh,
     labels and row weights as ``jnp.asarray`` makes them (on the default device, not committed)
-    or as NumPy arrays; loss, row losses and gradients equal the whole arrays' (eager ``jax.grad``)."""
-    meshes = {"auto axes": _mesh()}
-    if hasattr(jax.sharding, "AxisType") and hasattr(jax, "set_mesh"):  # an eager shard_map there refuses them
-        devices = meshes["auto axes"].devices
-        meshes["explicit axes"] = jax.make_mesh(devices.shape, ("b", "v"), devices=devices.reshape(-1),
-                                                axis_types=(jax.sharding.AxisType.Explicit,) * 2)  # fmt: skip
+    or as NumPy arrays (on a mesh of explicit axes, where an eager ``shard_map`` refuses them);
+    loss, row losses and ``grad_x`` of eager ``jax.value_and_grad`` equal the whole arrays'."""
+    meshes = {"auto axes": (_mesh(), jnp.asarray)}
+    if hasattr(jax.sharding, "AxisType") and hasattr(jax, "set_mesh"):
+        devices = _mesh().devices
+        explicit = jax.make_mesh(devices.shape, ("b", "v"), devices=devices.reshape(-1),
+                                 axis_types=(jax.sharding.AxisType.Explicit,) * 2)  # fmt: skip
+        meshes["explicit axes"] = (explicit, np.asarray)
     p = {**problem("logits"), "row_weight": jnp.asarray(np.random.default_rng(4).uniform(0, 2, 16))}
-    f = loss_fn("logits", dict(weight_hard_loss=0.5, chunk_size=5, return_row_losses=True))
+    f = loss_fn("logits", dict(weight_hard_loss=0.5, return_row_losses=True))  # one chunk: eager ops are slow
     sp = specs(p, "logits", "b", "v")
-    want_grads = jax.grad(lambda x: f({**p, "x": x})[0])(p["x"])
-    want_loss, want_rows = f(p)
-    for kind, mesh in meshes.items():
+    (want_loss, want_rows), want_grad = jax.value_and_grad(lambda x: f({**p, "x": x}), has_aux=True)(p["x"])
+    for kind, (mesh, make) in meshes.items():
         on_mesh = {k: jax.device_put(p[k], NamedSharding(mesh, sp[k])) for k in ("x", "weight", "target")}
-        for make in (jnp.asarray, np.asarray):
-            rest = {k: make(p[k]) for k in ("labels", "row_weight")}
-            assert not getattr(rest["labels"], "committed", False)
-            what = f"{kind}, {make.__module__}"
-            loss, rows = f({**on_mesh, **rest}, mesh=mesh, batch_axis="b", vocab_axis="v")
-            close(f"{what}: loss", loss, want_loss)
-            close(f"{what}: row losses", rows, want_rows)
-            sharded = lambda x, rest=rest, on_mesh=on_mesh, mesh=mesh: f(
-                {**on_mesh, **rest, "x": x}, mesh=mesh, batch_axis="b", vocab_axis="v"
-            )[0]  # fmt: skip
-            with contextlib.nullcontext() if kind == "auto axes" else jax.set_mesh(mesh):  # explicit axes ask for it
-                close(f"{what}: grad_x", jax.grad(sharded)(on_mesh["x"]), want_grads)
+        rest = {k: make(p[k]) for k in ("labels", "row_weight")}
+        assert not getattr(rest["labels"], "committed", False)
+
+        def sharded(x, on_mesh=on_mesh, rest=rest, mesh=mesh):
+            return f({**on_mesh, **rest, "x": x}, mesh=mesh, batch_axis="b", vocab_axis="v")
+
+        with contextlib.nullcontext() if kind == "auto axes" else jax.set_mesh(mesh):  # explicit axes ask for it
+            (loss, rows), grad = jax.value_and_grad(sharded, has_aux=True)(on_mesh["x"])
+        close(f"{kind}: loss", loss, want_loss)
+        close(f"{kind}: row losses", rows, want_rows)
+        close(f"{kind}: grad_x", grad, want_grad)
         # labels committed to one device: moved by neither jit nor the call, refused by name
         arrays = {**on_mesh, **rest, "labels": jax.device_put(p["labels"], mesh.devices.reshape(-1)[0])}
         _raises(functools.partial(f, arrays, mesh=mesh, batch_axis="b", vocab_axis="v"), "labels:", "device")
