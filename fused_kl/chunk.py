@@ -118,14 +118,44 @@ class VocabPart(NamedTuple):
     phases: Any
 
 
-def in_part(at: Any, part: VocabPart) -> Any:
-    """Whether the vocabulary columns ``at`` lie in ``part``."""
+def _in_part(at: Any, part: VocabPart) -> Any:
     return (at >= part.start) & (at < part.start + part.z.shape[1])
 
 
-def column_in(at: Any, part: VocabPart, xp: Any) -> Any:
+def _column_in(at: Any, part: VocabPart, xp: Any) -> Any:
     """``at`` as columns of ``part`` (0 where outside it)."""
-    return xp.where(in_part(at, part), at - part.start, 0)
+    return xp.where(_in_part(at, part), at - part.start, 0)
+
+
+def part_labels(y: Any | None, parts: Sequence[VocabPart]) -> list:
+    """The local labels ``y`` (or None) as columns of each part."""
+    return [y if y is None or p.start == 0 else y - p.start for p in parts]
+
+
+def parts_stats(each: Sequence[Any], xp: Any) -> Any:
+    """The parts' ``Stats`` combined into the chunk's, as vocabulary slices' are."""
+    if len(each) == 1:
+        return each[0]
+    return rowmath.combine_stats(xp.stack(each), lambda a: xp.amax(a, 0), lambda a: xp.sum(a, 0), xp)
+
+
+def gather_parts(parts: Sequence[VocabPart], at: Any, ops: ChunkOps) -> Any:
+    """The parts' logits at the chunk's columns ``at`` (``[rows, k]``, in float32)."""
+    if len(parts) == 1:
+        return ops.gather(parts[0].z, at)
+    return sum(ops.xp.where(_in_part(at, p), ops.gather(p.z, _column_in(at, p, ops.xp)), 0.0) for p in parts)
+
+
+def set_in_parts(arrays: Sequence[Any], parts: Sequence[VocabPart], at: Any, values: Any, write: Any,
+                 ops: ChunkOps) -> tuple:  # fmt: skip
+    """``arrays`` (one a part, its columns) with ``values`` written at the chunk's columns ``at``
+    where ``write``."""
+    if len(parts) == 1:
+        return (ops.set_at(arrays[0], at, values, write),)
+    return tuple(
+        ops.set_at(a, _column_in(at, p, ops.xp), values, write & _in_part(at, p))
+        for a, p in zip(arrays, parts, strict=True)
+    )
 
 
 def row_phases(
@@ -158,14 +188,10 @@ def row_phases(
     vocabulary slices' do, before the layout's."""
     xp = ops.xp
     y_local = local_labels(y, v0, loss)
-    ys = [y_local if y_local is None or p.start == 0 else y_local - p.start for p in parts]
+    ys = part_labels(y_local, parts)
     if local_stats is None:
         each = [p.phases.stats(p.z, stats_teacher(p.t, loss), yp, loss, tile) for p, yp in zip(parts, ys, strict=True)]
-        local_stats = (
-            each[0]
-            if len(each) == 1
-            else rowmath.combine_stats(xp.stack(each), lambda a: xp.amax(a, 0), lambda a: xp.sum(a, 0), xp)
-        )
+        local_stats = parts_stats(each, xp)
     # The statistics hold the label's logit, read from the logits: made before finish overwrites them.
     zs, local_stats = ops.materialize(tuple(p.z for p in parts), local_stats)
     parts = [p._replace(z=z) for p, z in zip(parts, zs, strict=True)]
@@ -180,15 +206,10 @@ def row_phases(
     topk_const = None
     width = sum(z.shape[1] for z in zs)
     if topk is not None:
-
-        def logits_at(at: Any, _: Any) -> Any:
-            if len(parts) == 1:
-                return ops.gather(parts[0].z, at)
-            return sum(xp.where(in_part(at, p), ops.gather(p.z, column_in(at, p, xp)), 0.0) for p in parts)
-
         row_scales = (scales.soft, scales.hard, rowmath.z_scale(stats, scales))
         soft, topk_const, at, g_at, write = topk_part(
-            logits_at, topk, y, row_scales, v0, width, stats, loss, v_total, layout, ops
+            lambda at, _: gather_parts(parts, at, ops), topk, y, row_scales, v0, width, stats, loss, v_total, layout,
+            ops,
         )  # fmt: skip
     coefs = rowmath.coefficients(stats, scales, soft_sums, topk_const, loss, xp)
     if topk is not None and write_grad:
@@ -210,11 +231,7 @@ def row_phases(
         soft = layout.vocab_sum(partial)
     elif topk is None:
         soft = rowmath.soft_rows(kind, soft_sums, loss.beta) if loss.soft else None
-    if topk is not None and write_grad and len(parts) == 1:
-        gs = (ops.set_at(gs[0], at, g_at, write),)
-    elif topk is not None and write_grad:
-        gs = tuple(
-            ops.set_at(g, column_in(at, p, xp), g_at, write & in_part(at, p)) for g, p in zip(gs, parts, strict=True)
-        )
+    if topk is not None and write_grad:
+        gs = set_in_parts(gs, parts, at, g_at, write, ops)
     losses = rowmath.row_losses(stats, keep, soft, row_weight, weights, loss, v_total, xp)
     return (gs if write_grad else None), label, *losses

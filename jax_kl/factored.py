@@ -23,7 +23,17 @@ import jax.numpy as jnp
 from jax import lax
 
 from fused_kl import factored, rowmath
-from fused_kl.chunk import LabelTerm, VocabPart, column_in, in_part, label_term, local_labels, topk_part
+from fused_kl.chunk import (
+    LabelTerm,
+    VocabPart,
+    gather_parts,
+    label_term,
+    local_labels,
+    part_labels,
+    parts_stats,
+    set_in_parts,
+    topk_part,
+)
 from fused_kl.loss import Loss
 from fused_kl.rows import STATS
 
@@ -55,14 +65,14 @@ class Factors(NamedTuple):
         return (self.alpha[:, None] * xc.astype(jnp.float32)).astype(xc.dtype)
 
 
-def _remade(es: tuple[jax.Array, ...], starts: Sequence[int], bad: jax.Array, q_factor: jax.Array, xc: jax.Array,
-            weight: jax.Array, loss: Loss) -> tuple[jax.Array, ...]:  # fmt: skip
-    """``es`` (the parts' ``E``, their first columns ``starts``) with each ``bad`` row remade as
+def _remade(parts: Sequence[VocabPart], bad: jax.Array, q_factor: jax.Array, xc: jax.Array, weight: jax.Array,
+            loss: Loss) -> tuple[jax.Array, ...]:  # fmt: skip
+    """The ``parts``' ``E`` (their arrays) with each ``bad`` row remade as
     ``softmax(f(x_r W^T)) u`` from its float32 logits, its shift its own log-sum-exp, so that the
     row sums to 1 whatever the rounding of the logits the statistics read (0 where the row's
     ``q_factor`` is: an ignored row's ``E`` may be infinite, and ``0 * inf`` would reach the
     GEMMs)."""
-    rows = es[0].shape[0]
+    rows = parts[0].z.shape[0]
     order = jnp.nonzero(bad, size=rows, fill_value=rows)[0]  # the bad rows, then `rows` (dropped)
     order = jnp.pad(order, (0, -rows % REMADE_ROWS), constant_values=rows)
 
@@ -75,11 +85,11 @@ def _remade(es: tuple[jax.Array, ...], starts: Sequence[int], bad: jax.Array, q_
         values = jnp.where((q_factor[held] != 0)[:, None], values, 0.0)
         return tuple(
             e.at[at].set(values[:, c : c + e.shape[1]].astype(e.dtype), mode="drop")
-            for e, c in zip(es, starts, strict=True)
+            for e, c in zip(es, (p.start for p in parts), strict=True)
         )
 
     steps = (jnp.sum(bad, dtype=jnp.int32) + REMADE_ROWS - 1) // REMADE_ROWS
-    return lax.fori_loop(0, steps, remake, tuple(es))
+    return lax.fori_loop(0, steps, remake, tuple(p.z for p in parts))
 
 
 def chunk(
@@ -96,20 +106,13 @@ def chunk(
     zs, at_tokens = tuple(p.z for p in parts), None
     if topk is not None:  # the student's logits at the teacher's tokens, read before E overwrites them
         idx = topk[1]
-        at = jnp.where((idx >= v0) & (idx < v0 + width), idx - v0, 0)
-        at_tokens = sum(
-            jnp.where(in_part(at, p), OPS.gather(z, column_in(at, p, jnp)), 0.0) for p, z in zip(parts, zs, strict=True)
-        )
+        at_tokens = gather_parts(parts, jnp.where((idx >= v0) & (idx < v0 + width), idx - v0, 0), OPS)
         zs, at_tokens = OPS.materialize(zs, at_tokens)
     passes = [
-        p.phases.exp_stats(z, None if y_local is None else y_local - p.start, loss)
-        for p, z in zip(parts, zs, strict=True)
+        p.phases.exp_stats(z, yp, loss) for p, z, yp in zip(parts, zs, part_labels(y_local, parts), strict=True)
     ]
     es, each, maxima = (tuple(column) for column in zip(*passes, strict=True))
-    local_stats = each[0]
-    if len(each) > 1:
-        local_stats = rowmath.combine_stats(jnp.stack(each), lambda a: jnp.max(a, 0), lambda a: jnp.sum(a, 0), jnp)
-    stats = layout.combine_stats(local_stats)
+    stats = layout.combine_stats(parts_stats(each, jnp))
     c_soft, c_hard, c_z = scales.soft, scales.hard, rowmath.z_scale(stats, scales)
     soft, sparse, q_factor = None, None, c_hard + c_z  # the z-loss's gradient is a multiple of q
     if topk is not None:
@@ -148,14 +151,10 @@ def settle(
         empty = (q_factor == 0) & (write & (values != 0)).any(-1)
         remake, dense = remake | empty, jnp.where(empty, 1.0, q_factor)
         held = None if y is None else (write & (at == y[:, None])).any(-1)  # a token holds dL/dz_y
-    es = _remade(tuple(p.z for p in parts), [p.start for p in parts], remake, q_factor, xc, weight, loss)
+    es = _remade(parts, remake, q_factor, xc, weight, loss)
     alpha = factored.alpha(dense, shift, lse, loss, jnp)
     if sparse is not None:
-        scaled = values / jnp.where(alpha == 0, 1.0, alpha)[:, None]
-        es = tuple(
-            OPS.set_at(e, column_in(at, p, jnp), scaled, write & in_part(at, p))
-            for e, p in zip(es, parts, strict=True)
-        )
+        es = set_in_parts(es, parts, at, values / jnp.where(alpha == 0, 1.0, alpha)[:, None], write, OPS)
     label = None
     if loss.cross_entropy:
         width = sum(e.shape[1] for e in es)
