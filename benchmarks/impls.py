@@ -18,8 +18,8 @@ checks), ``-whole-vocab-gemms`` (at an unaligned vocabulary, each cuBLAS GEMM ov
 at once), ``jax_kl/pallas-cublas``, ``pallas_triton-cublas`` (XLA's Triton GEMMs off) and
 ``jax_kl/pallas-whole-vocab`` (at an unaligned vocabulary, the chunk as one array over every
 column), ``-label-in-dz`` (both frameworks: the hard term's label entries written into ``dL/dz``);
-``jax_kl/pallas-xla-add`` (each chunk's ``grad_weight`` added by XLA, not in place);
-and
+``jax_kl/pallas-xla-add`` (each chunk's ``grad_weight`` added by XLA, not in place),
+``jax_kl/pallas-xla-label-rows`` (the label's term of ``grad_weight`` by XLA's segment sum); and
 what the loss's options cost: ``torch_kl/triton+row-weights`` and ``jax_kl/pallas+row-weights``
 (a weight per row, the per-row losses returned), ``+z-loss`` (cross-entropy only). A variant of a
 backend is its resolved value with fields replaced (``dataclasses.replace``), passed as
@@ -335,6 +335,8 @@ def build() -> dict[str, Impl]:
         impls["jax_kl/pallas-label-in-dz"] = Impl("jax", _jitted(_jax_kl_variant(label_apart=False)))
         # each chunk's grad_weight added by XLA, not the in-place kernel: prices mosaic_accumulate
         impls["jax_kl/pallas-xla-add"] = Impl("jax", _jitted(_jax_kl_variant(in_place_grad_weight=None)))
+        # the label's term of grad_weight by XLA's segment sum: prices mosaic_label_rows
+        impls["jax_kl/pallas-xla-label-rows"] = Impl("jax", _jitted(_jax_kl_variant(in_place_label_rows=None)))
     # XLA folds each chunk's `acc + g^T x` into a cuBLAS GEMM (beta = 1) only when its own Triton
     # GEMMs are off: `pallas_triton-cublas` shows that fold. `pallas-cublas` is what a user's
     # jit(compiler_options=...) gets on the default backend, which cannot see the option and still

@@ -138,7 +138,7 @@ def forward(
     grad_w = None if grad_ws is None else gemm.join(grad_ws, one_array, backend.in_place_grad_weight)
     if labels:
         together = LabelTerm(*(jnp.concatenate(column) for column in zip(*labels, strict=True)))
-        grad_w = gemm.add_label_rows(grad_w, x, together)  # type: ignore[arg-type]
+        grad_w = gemm.add_label_rows(grad_w, x, together, backend.in_place_label_rows)  # type: ignore[arg-type]
     if not plan.bounds:  # no rows
         grad_w = jnp.zeros((v, h), accum) if needs.weight else None
         grad_b = jnp.zeros((v,), jnp.float32) if needs.bias else None

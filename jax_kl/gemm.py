@@ -149,14 +149,17 @@ def join(accs: tuple[jax.Array, ...], one_array: bool = False, in_place: ModuleT
     return accs[0] if len(accs) == 1 else jnp.concatenate(accs)
 
 
-def add_label_rows(acc: jax.Array, x: jax.Array, label: LabelTerm) -> jax.Array:
+def add_label_rows(acc: jax.Array, x: jax.Array, label: LabelTerm, in_place: ModuleType | None = None) -> jax.Array:
     """``acc`` (``grad_weight``'s ``[V, H]`` accumulator) with ``sum of label.coef_r x_r`` over
     the rows ``r`` labelled ``k`` added to row ``k``: the label's term of ``grad_W += dL/dzᵀ x``,
-    after every chunk's GEMM. Each label's sum is made in float32 and rounded into its row once;
-    the sums are made a block of columns at a time (``fused_kl.plan.label_block_columns``)."""
+    after every chunk's GEMM. Each label's sum is made in float32 and rounded into its row once:
+    by ``in_place`` (``Backend.in_place_label_rows``) where it fits, else by XLA, a block of
+    columns at a time (``fused_kl.plan.label_block_columns``)."""
     n, h = x.shape
     if not n:
         return acc
+    if in_place is not None and in_place.fits(acc, x):
+        return in_place.add_label_rows(acc, x, label)
     v = acc.shape[0]
     key = jnp.where(label.coef != 0, label.y, v)  # v: no row
     rows, inverse = jnp.unique(key, size=n, fill_value=v, return_inverse=True)

@@ -151,6 +151,7 @@ def test_bench_lists_every_registry_backend() -> None:
         "torch_kl/triton+row-weights", "torch_kl/triton+z-loss", "jax_kl/pallas+row-weights", "jax_kl/pallas+z-loss",
         "jax_kl/pallas-whole-vocab", "jax_kl/pallas-xla-phases", "torch_kl/triton-label-in-dz",
         "jax_kl/pallas-label-in-dz", "jax_kl/pallas-xla-add", "jax_kl/pallas-unfactored",
+        "jax_kl/pallas-xla-label-rows",
     }  # fmt: skip
     assert variants <= set(names)
     backends = [n for n in names if "_kl/" in n and n not in variants]

@@ -1,19 +1,57 @@
-"""``torch_kl``'s label rows of ``grad_weight`` (``triton_factored.add_label_rows``): each label's
-rows summed in float32 and rounded into its row once, whatever the runs' lengths and where they
-fall among the kernel's 16-row tiles; in Triton's interpreter and, compiled, on the GPU."""
+"""The label rows of ``grad_weight``, each label's rows summed in float32 and rounded into its row
+once, whatever the runs' lengths and where they fall among the kernels' tiles of rows and runs:
+``torch_kl``'s ``triton_factored.add_label_rows`` (in Triton's interpreter and, compiled, on the
+GPU) and ``jax_kl``'s (``jax_kl.gemm.add_label_rows`` by XLA, and the Mosaic GPU kernel
+``mosaic_label_rows`` on the GPU)."""
 
 from __future__ import annotations
+
+import importlib.util
 
 import pytest
 import torch
 
+from fused_kl.chunk import LabelTerm
 from torch_kl.backends import triton_factored
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+_JAX = pytest.mark.skipif(importlib.util.find_spec("jax") is None, reason="jax is not installed")
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.gpu),
+    pytest.param("jax-xla", marks=_JAX),
+    pytest.param("jax-mosaic", marks=[_JAX, pytest.mark.gpu]),
+]
+
+
+def _add_jax(grad_w: torch.Tensor, x: torch.Tensor, coef: torch.Tensor, y: torch.Tensor, mosaic: bool) -> torch.Tensor:
+    """``grad_w`` after ``jax_kl``'s label rows: XLA's, or the Mosaic GPU kernel's on the columns
+    padded with zeros to a multiple of its warpgroup (``fits``)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jax_kl import gemm
+    from jax_kl.backends import mosaic_label_rows
+
+    def as_jax(t: torch.Tensor, pad: int = 0) -> jnp.ndarray:
+        t = torch.nn.functional.pad(t, (0, pad)) if pad else t
+        return jnp.asarray(t.float().numpy()).astype(str(t.dtype).removeprefix("torch."))
+
+    h = x.shape[1]
+    pad = -h % mosaic_label_rows.THREADS if mosaic else 0
+    acc, xs = as_jax(grad_w, pad), as_jax(x.contiguous(), pad)
+    label = LabelTerm(jnp.asarray(coef.numpy()), jnp.asarray(y.numpy()))
+    if mosaic:
+        assert mosaic_label_rows.fits(acc, xs)
+        out = mosaic_label_rows.add_label_rows(acc, xs, label)
+    else:
+        out = gemm.add_label_rows(acc, xs, label)
+    return torch.from_numpy(np.array(out[:, :h].astype(jnp.float32))).to(grad_w.dtype)
 
 
 def _add(grad_w: torch.Tensor, x: torch.Tensor, coef: torch.Tensor, y: torch.Tensor, device: str) -> torch.Tensor:
-    """``grad_w`` after ``add_label_rows`` on ``device``, back on the CPU."""
+    """``grad_w`` after ``add_label_rows`` on ``device`` (``jax-*``: ``jax_kl``'s), back on the CPU."""
+    if device.startswith("jax-"):
+        return _add_jax(grad_w, x, coef, y, device == "jax-mosaic")
     got = grad_w.to(device, copy=True)
     label = triton_factored.LabelTerm(coef.to(device), y.to(device))
     triton_factored.add_label_rows(got, x.to(device), label)
@@ -81,3 +119,57 @@ def test_a_label_run_starting_anywhere_among_the_sorted_rows(offset, device):
     want = grad_w.double().index_add(0, y, coef.double()[:, None] * x.double())
     got = _add(grad_w, x, coef, y, device)  # .to keeps x's strides
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES[1:])
+@pytest.mark.parametrize("acc_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("zipf", [False, True])
+def test_labels_of_text_and_random_labels_are_summed_once(zipf, acc_dtype, device):
+    """Labels drawn at random over an odd vocabulary, or as a text's (Zipf's law: a few labels
+    take many rows, most one), 300 rows, not a whole number of the kernels' tiles of rows or
+    runs: every labelled row of ``grad_w`` is its sum rounded once, the others untouched."""
+    gen = torch.Generator().manual_seed(12)
+    rows, v, h = 300, 1001, 512
+    if zipf:
+        p = 1.0 / torch.arange(1, v + 1, dtype=torch.float64) ** 1.1
+        y = torch.multinomial(p, rows, replacement=True, generator=gen)
+    else:
+        y = torch.randint(0, v, (rows,), generator=gen)
+    coef = -torch.rand(rows, generator=gen)
+    coef[::7] = 0.0
+    x = torch.randn(rows, h, generator=gen).to(torch.bfloat16)
+    grad_w = (torch.randn(v, h, generator=gen) * 10).to(acc_dtype)
+    want = grad_w.double().index_add(0, y, coef.double()[:, None] * x.double())
+    got = _add(grad_w, x, coef, y, device).double()
+    ulp = {torch.bfloat16: 2.0**-8, torch.float32: 2.0**-23}[acc_dtype]  # half a unit (float32: its sums too)
+    assert ((got - want).abs() <= ulp * want.abs() + 1e-5).all()
+    untouched = torch.ones(v, dtype=torch.bool)
+    untouched[y[coef != 0]] = False
+    assert torch.equal(got[untouched], grad_w[untouched].double())
+
+
+@pytest.mark.skipif(importlib.util.find_spec("jax") is None, reason="jax is not installed")
+def test_the_mosaic_kernel_runs_cover_each_labelled_row_once():
+    """``mosaic_label_rows.runs``: the rows sorted by label, cut into one run a label, cover every
+    row of a term exactly once, each run's rows of its label, in runs padded to whole programs."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jax_kl.backends import mosaic_label_rows
+
+    rng = np.random.default_rng(3)
+    n, v = 203, 50
+    y = rng.integers(0, v, n)
+    y[:60] = 7
+    coef = -rng.random(n).astype(np.float32)
+    coef[::9] = 0.0
+    order, sorted_coef, start, length, key = map(
+        np.asarray, mosaic_label_rows.runs(LabelTerm(jnp.asarray(coef), jnp.asarray(y)), v)
+    )
+    assert len(start) % mosaic_label_rows.RUNS == 0 and len(start) >= n
+    covered = np.concatenate([order[s : s + c] for s, c in zip(start, length, strict=True)])
+    assert sorted(covered) == sorted(np.flatnonzero(coef))  # each row of a term once, no other
+    for s, c, k in zip(start, length, key, strict=True):
+        assert (y[order[s : s + c]] == k).all()
+    assert len(set(key[length > 0])) == int((length > 0).sum())  # one run a label
+    np.testing.assert_array_equal(sorted_coef, coef[order])

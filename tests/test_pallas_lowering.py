@@ -242,10 +242,11 @@ def test_in_place_kernels_lower_inside_shard_map() -> None:
 
 
 def _as_on_hopper(**fields):
-    """``"pallas"`` as it resolves where Mosaic GPU runs (the in-place ``grad_weight`` add too)."""
-    from jax_kl.backends import mosaic_accumulate
+    """``"pallas"`` as it resolves where Mosaic GPU runs (the in-place ``grad_weight`` kernels too)."""
+    from jax_kl.backends import mosaic_accumulate, mosaic_label_rows
 
-    fields = {"phases": xla_phases, "mosaic_phases": pallas_mosaic, "in_place_grad_weight": mosaic_accumulate, **fields}
+    in_place = {"in_place_grad_weight": mosaic_accumulate, "in_place_label_rows": mosaic_label_rows}
+    fields = {"phases": xla_phases, "mosaic_phases": pallas_mosaic, **in_place, **fields}
     return dataclasses.replace(resolve("pallas"), **fields)
 
 
@@ -275,8 +276,9 @@ def _mosaic_calls(backend, n: int, h: int, v: int, probs: bool = False) -> tuple
 def test_an_unaligned_vocabulary_keeps_grad_weight_in_one_array_where_the_in_place_add_runs() -> None:
     """At V = 8291 with the in-place kernel, ``grad_weight`` is one ``[V, H]`` array: the first
     chunk's kernel makes it, the other chunks' add their aligned part into its first rows in place,
-    the rest's 99 rows are written into it once after the last chunk by the row writer, and no
-    copy, select or zero fill of the whole array runs; without the kernel each part keeps its own
+    the rest's 99 rows are written into it once after the last chunk by the row writer, the label
+    rows' kernel adds the labels' term into it in place, and no copy, select or zero fill of the
+    whole array runs; without the kernel each part keeps its own
     accumulator and one copy joins them; a last chunk the kernel cannot take, the latter."""
 
     def count(backend) -> tuple[int, int, int, int]:
@@ -288,8 +290,8 @@ def test_an_unaligned_vocabulary_keeps_grad_weight_in_one_array_where_the_in_pla
         written = sum("custom_call @mosaic_gpu" in line and "operand_index" in line for line in whole)
         return joins, zeros, made, written
 
-    # 4 chunks: one kernel makes the array, three add into it, the row writer puts the rest in
-    assert count(_as_on_hopper()) == (0, 0, 1 + 3 + 1, 3 + 1)
+    # 4 chunks: one kernel makes the array, three add into it, the row writer puts the rest in, the labels' rows
+    assert count(_as_on_hopper()) == (0, 0, 1 + 3 + 1 + 1, 3 + 1 + 1)
     assert count(_as_on_hopper(in_place_grad_weight=None))[:2] == (1, 0)
     # a last chunk the in-place add cannot take (233 rows): the parts' accumulators again
     lines = _grad_weight_lowering(_as_on_hopper(), 1001, 256, 8291).splitlines()
@@ -327,8 +329,8 @@ def test_grad_weight_kernel_makes_a_fresh_array_and_writes_the_last_rows_in_plac
 def test_a_last_chunk_of_odd_rows_keeps_xla_s_add() -> None:
     """1001 rows in chunks of 256: the last chunk's 233 rows are no whole number of the operands'
     8-row tiles, so its ``grad_weight`` is added by XLA; the step lowers for CUDA."""
-    # chunks 1 to 3: stats and finish on Mosaic GPU; chunks 2 and 3 add in place; chunk 4 on XLA
-    assert _mosaic_calls(_as_on_hopper(), 1001, 256, 8192) == (3 * 2 + 2, 2)
+    # chunks 1 to 3: stats and finish on Mosaic GPU; chunks 2 and 3 add in place; chunk 4 on XLA; the labels' rows
+    assert _mosaic_calls(_as_on_hopper(), 1001, 256, 8192) == (3 * 2 + 2 + 1, 2)
 
 
 def test_vocabulary_parts_split_where_the_in_place_add_takes_the_aligned_part() -> None:
@@ -345,8 +347,9 @@ def test_vocabulary_parts_split_where_the_in_place_add_takes_the_aligned_part() 
     assert [(p.start, p.stop) for p in gemm.vocab_parts(256, True)] == [(0, 256)]
     assert [(p.start, p.stop) for p in gemm.vocab_parts(100, True)] == [(0, 100)]
     # every chunk's aligned part: stats, finish and its grad_weight GEMM on Mosaic GPU (the first
-    # making the array, the three after it adding in place), and the row writer
-    assert _mosaic_calls(_as_on_hopper(), 1024, 256, 8291) == (4 * 3 + 1, 3)
-    assert _mosaic_calls(_as_on_hopper(vocab_parts=False), 1024, 256, 8291) == (0, 0)  # one part: all on XLA
-    # a dense teacher's aligned columns go with the aligned part: its stats and finish too
+    # making the array, the three after it adding in place), the row writer and the labels' rows
+    assert _mosaic_calls(_as_on_hopper(), 1024, 256, 8291) == (4 * 3 + 1 + 1, 3)
+    # one part: all on XLA but the labels' rows
+    assert _mosaic_calls(_as_on_hopper(vocab_parts=False), 1024, 256, 8291) == (1, 0)
+    # a dense teacher's aligned columns go with the aligned part: its stats and finish too (no labels)
     assert _mosaic_calls(_as_on_hopper(), 1024, 256, 8291, probs=True) == (4 * 3 + 1, 3)

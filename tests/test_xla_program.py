@@ -17,12 +17,12 @@ from jax_kl.backends import resolve, xla_phases  # noqa: E402
 
 
 def _as_on_hopper(**fields):
-    """``"pallas"`` as it resolves where Mosaic GPU runs (the in-place ``grad_weight`` add too)."""
-    from jax_kl.backends import mosaic_accumulate, pallas_mosaic
+    """``"pallas"`` as it resolves where Mosaic GPU runs (the in-place ``grad_weight`` kernels too)."""
+    from jax_kl.backends import mosaic_accumulate, mosaic_label_rows, pallas_mosaic
 
     return dataclasses.replace(
         resolve("pallas"), phases=xla_phases, mosaic_phases=pallas_mosaic, in_place_grad_weight=mosaic_accumulate,
-        **fields,
+        in_place_label_rows=mosaic_label_rows, **fields,
     )  # fmt: skip
 
 

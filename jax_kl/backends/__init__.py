@@ -86,6 +86,9 @@ class Backend(NamedByEntry):
     ``acc`` in place where its ``fits`` says so (``mosaic_accumulate``; its ``product`` and
     ``put_rows`` make and finish an unaligned vocabulary's one array), or None where the add
     is left to XLA;
+    ``in_place_label_rows``: the module whose ``add_label_rows(acc, x, label)`` adds the label's
+    term to ``grad_weight`` in place where its ``fits`` says so (``mosaic_label_rows``), or None
+    where XLA's segment sum makes it (``jax_kl.gemm.add_label_rows``);
     ``vocab_parts``: at a vocabulary (slice) not a multiple of 128, a chunk (and its dense
     teacher) is made as its aligned columns and the rest (``jax_kl.gemm.vocab_parts``), so that
     every GEMM writes and reads rows of an aligned stride and the aligned part runs on the
@@ -101,6 +104,7 @@ class Backend(NamedByEntry):
     phases: ModuleType | None = None
     mosaic_phases: ModuleType | None = None
     in_place_grad_weight: ModuleType | None = None
+    in_place_label_rows: ModuleType | None = None
     vocab_parts: bool = True
     label_apart: bool = True
     factored: ModuleType | None = None
@@ -148,6 +152,15 @@ def _in_place_grad_weight() -> ModuleType | None:
     return mosaic_accumulate
 
 
+def _in_place_label_rows() -> ModuleType | None:
+    """``mosaic_label_rows`` where Mosaic GPU runs, else None."""
+    if mosaic_missing() is not None:
+        return None
+    from . import mosaic_label_rows
+
+    return mosaic_label_rows
+
+
 def _pallas(entry: Registered) -> Backend:
     from ..driver import forward
     from . import pallas_triton, xla_phases
@@ -155,14 +168,16 @@ def _pallas(entry: Registered) -> Backend:
     mosaic = _mosaic_phases()
     if mosaic is None:
         return Backend(entry, forward, pallas_triton)
-    return Backend(entry, forward, xla_phases, mosaic, _in_place_grad_weight(), factored=mosaic)
+    in_place = {"in_place_grad_weight": _in_place_grad_weight(), "in_place_label_rows": _in_place_label_rows()}
+    return Backend(entry, forward, xla_phases, mosaic, **in_place, factored=mosaic)
 
 
 def _pallas_mosaic(entry: Registered) -> Backend:
     from ..driver import forward
     from . import pallas_mosaic
 
-    return Backend(entry, forward, pallas_mosaic, in_place_grad_weight=_in_place_grad_weight(), factored=pallas_mosaic)
+    in_place = {"in_place_grad_weight": _in_place_grad_weight(), "in_place_label_rows": _in_place_label_rows()}
+    return Backend(entry, forward, pallas_mosaic, **in_place, factored=pallas_mosaic)
 
 
 def _pallas_triton(entry: Registered) -> Backend:

@@ -1,0 +1,116 @@
+"""The label's term of ``grad_weight`` as a Mosaic GPU kernel that writes in place:
+``acc[k] <- acc[k] + sum of coef_r x_r`` over the rows ``r`` labelled ``k``, each label's sum made in
+float32 and rounded into its row once (``jax_kl.gemm.add_label_rows`` states the term; mirror of
+``torch_kl``'s ``triton_factored.add_label_rows``).
+
+Why: XLA makes the sums as a float32 ``[n, H]`` segment sum (a scatter of atomic adds into zeros),
+then gathers and scatters the accumulator's rows: several passes over ``[n, H]`` float32 arrays,
+about 1.7 % of a cross-entropy step (docs/design-notes.md). Here each input row is read once and
+each labelled row of the accumulator is read and written once.
+
+Layout: XLA sorts the rows by label and cuts the sorted rows into runs, one a label (:func:`runs`:
+each run's first sorted row, length and label; a run of no rows past the last). One program takes
+:data:`RUNS` consecutive runs and one slice of columns (:func:`vec`): for each run it sums the run's rows,
+:data:`ROWS` at a time (their loads independent of each other), then adds the sum to the
+accumulator's row and stores it. Runs are disjoint, so no two programs write one row: no atomic
+adds, and the sum's order is the sorted rows' (the same result every call, unlike XLA's scatter).
+Rows, labels and columns are read with plain vector loads (no TMA): any number of rows, any row of
+the head.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from fused_kl.chunk import LabelTerm
+
+from .pallas_mosaic import unchecked_vma
+
+RUNS = 16  # runs a program: for random labels most runs are one row, so a program's loads are its runs'
+ROWS = 16  # a run's rows summed per step, their loads independent (a frequent label's run is long)
+THREADS = 128  # one warpgroup a program, each thread loading adjacent columns of a row (vec)
+NAME = "fused_kl_label_rows_mosaic"
+
+
+def vec(h: int) -> int:
+    """Adjacent columns a thread loads at once: 4 (16 bytes of float32) where ``h`` allows it, else
+    2 or 1; a program's slice is ``THREADS * vec(h)`` columns."""
+    return next(v for v in (4, 2, 1) if h % (THREADS * v) == 0)
+
+
+def fits(acc: jax.Array, x: jax.Array) -> bool:
+    """Whether this kernel can add the label's rows of ``x`` into ``acc``: floating dtypes of at
+    most 32 bits, ``H`` a multiple of :data:`THREADS`."""
+    floats = all(jnp.issubdtype(a.dtype, jnp.floating) and jnp.dtype(a.dtype).itemsize <= 4 for a in (acc, x))
+    return floats and acc.ndim == x.ndim == 2 and acc.shape[1] == x.shape[1] and x.shape[1] % THREADS == 0
+
+
+def runs(label: LabelTerm, v: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+    """``(order, coef, start, length, key)``: the rows sorted by label (``order``, the rows'
+    indices; ``coef``, theirs in that order) and, per run of one label in that order, its first
+    sorted row, its length and its label, for as many runs as there are rows, padded to a whole
+    number of programs with runs of length 0. Rows of ``coef`` 0 add nothing: they are sorted last
+    and belong to no run."""
+    n = label.y.shape[0]
+    key = jnp.where(label.coef != 0, label.y, v).astype(jnp.int32)
+    order = jnp.argsort(key, stable=True).astype(jnp.int32)
+    labels, counts = jnp.unique(key, size=n, fill_value=v, return_counts=True)
+    length = jnp.where(labels < v, counts, 0).astype(jnp.int32)
+    start = (jnp.cumsum(length) - length).astype(jnp.int32)
+    pad = -n % RUNS
+    length, start, labels = (jnp.pad(a, (0, pad)) for a in (length, start, labels.astype(jnp.int32)))
+    return order, label.coef[order].astype(jnp.float32), start, length, labels
+
+
+def _body(order, coef, start, length, key, x, acc) -> None:
+    n, width = order.shape[0], THREADS * vec(x.shape[1])
+    cols = pl.ds(lax.axis_index("c") * width, width)
+    strided = plgpu.Layout.WG_STRIDED((width,), vec_size=vec(x.shape[1]))
+
+    def row(at: jax.Array, end: jax.Array) -> jax.Array:
+        """Sorted row ``at``'s ``coef x`` in float32, 0 at and past ``end``."""
+        held = jnp.minimum(at, n - 1)
+        w = jnp.where(at < end, coef[held], 0.0)
+        return w * plgpu.load(x.at[order[held]], cols, layout=strided).astype(jnp.float32)
+
+    def one_run(j: jax.Array, carry: None) -> None:
+        run = lax.axis_index("g") * RUNS + j
+        first, count = start[run], length[run]
+
+        @pl.when(count > 0)
+        def _() -> None:
+            end = first + count
+
+            def step(s: jax.Array, total: jax.Array) -> jax.Array:
+                base = first + s * ROWS
+                parts = [row(base + t, end) for t in range(ROWS)]
+                return total + functools.reduce(lambda a, b: a + b, parts)
+
+            zero = plgpu.layout_cast(jnp.zeros((width,), jnp.float32), strided)
+            total = lax.fori_loop(0, (count + ROWS - 1) // ROWS, step, zero)
+            dst = acc.at[key[run]]
+            now = plgpu.load(dst, cols, layout=strided).astype(jnp.float32)
+            dst[cols] = (now + total).astype(acc.dtype)
+
+        return carry
+
+    lax.fori_loop(0, RUNS, one_run, None)
+
+
+def add_label_rows(acc: jax.Array, x: jax.Array, label: LabelTerm) -> jax.Array:
+    """``acc`` (``grad_weight``'s ``[V, H]`` accumulator) with ``sum of label.coef_r x_r`` over the
+    rows ``r`` labelled ``k`` added to row ``k``, written over ``acc``; needs :func:`fits`."""
+    assert fits(acc, x), "add_label_rows needs the kernel's shapes (fits)"
+    order, coef, start, length, key = runs(label, acc.shape[0])
+    grid = (start.shape[0] // RUNS, x.shape[1] // (THREADS * vec(x.shape[1])))
+    mesh = plgpu.Mesh(grid=grid, grid_names=("g", "c"), kernel_name=NAME)
+    ref = jax.new_ref(acc)
+    with unchecked_vma():
+        pl.kernel(_body, out_type=(), mesh=mesh, name=NAME)(order, coef, start, length, key, x, ref)
+    return jax.freeze(ref)
