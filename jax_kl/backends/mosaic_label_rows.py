@@ -9,11 +9,12 @@ about 1.7 % of a cross-entropy step (docs/design-notes.md). Here each input row 
 each labelled row of the accumulator is read and written once.
 
 Layout: XLA sorts the rows by label and cuts the sorted rows into runs, one a label (:func:`runs`:
-each run's first sorted row, length and label; a run of no rows past the last). One program takes
-:data:`RUNS` consecutive runs and one slice of columns (:func:`vec`): for each run it sums the run's rows,
-:data:`ROWS` at a time (their loads independent of each other), then adds the sum to the
-accumulator's row and stores it. Runs are disjoint, so no two programs write one row: no atomic
-adds, and the sum's order is the sorted rows' (the same result every call, unlike XLA's scatter).
+each run's first sorted row, length and label; runs of no rows past the last). One program takes
+:data:`RUNS` consecutive runs and one slice of columns (:func:`vec`): it loads its runs' first
+rows at once, sums each run's other rows :data:`ROWS` at a time (their loads independent of each
+other), then adds each run's sum to its accumulator row and stores it. Runs are disjoint, so no
+two programs write one row: no atomic adds, and the sum's order is the sorted rows' (the same
+result every call, unlike XLA's scatter).
 Rows, labels and columns are read with plain vector loads (no TMA): any number of rows, any row of
 the head.
 """
@@ -55,23 +56,33 @@ def runs(label: LabelTerm, v: int) -> tuple[jax.Array, jax.Array, jax.Array, jax
     """``(order, coef, start, length, key)``: the rows sorted by label (``order``, the rows'
     indices; ``coef``, theirs in that order) and, per run of one label in that order, its first
     sorted row, its length and its label, for as many runs as there are rows, padded to a whole
-    number of programs with runs of length 0. Rows of ``coef`` 0 add nothing: they are sorted last
-    and belong to no run."""
+    number of programs; a run past the last has length 0 and label 0 (a row its program may
+    read, never writes). Rows of ``coef`` 0 add nothing: they are sorted last and belong to no
+    run."""
     n = label.y.shape[0]
     key = jnp.where(label.coef != 0, label.y, v).astype(jnp.int32)
     order = jnp.argsort(key, stable=True).astype(jnp.int32)
-    labels, counts = jnp.unique(key, size=n, fill_value=v, return_counts=True)
-    length = jnp.where(labels < v, counts, 0).astype(jnp.int32)
-    start = (jnp.cumsum(length) - length).astype(jnp.int32)
-    pad = -n % RUNS
-    length, start, labels = (jnp.pad(a, (0, pad)) for a in (length, start, labels.astype(jnp.int32)))
+    ordered = key[order]
+    first = (ordered != jnp.concatenate([jnp.full((1,), -1, jnp.int32), ordered[:-1]])) & (ordered < v)
+    total = n + -n % RUNS
+    at = jnp.where(first, jnp.cumsum(first) - 1, total)  # each run's index at its first row
+    start = jnp.zeros((total,), jnp.int32).at[at].set(jnp.arange(n, dtype=jnp.int32), mode="drop", unique_indices=True)
+    labels = jnp.zeros((total,), jnp.int32).at[at].set(ordered, mode="drop", unique_indices=True)
+    count, rows = jnp.sum(first, dtype=jnp.int32), jnp.sum(ordered < v, dtype=jnp.int32)
+    j = jnp.arange(total, dtype=jnp.int32)
+    end = jnp.where(j + 1 < count, jnp.concatenate([start[1:], jnp.zeros((1,), jnp.int32)]), rows)
+    length = jnp.where(j < count, end - start, 0)
     return order, label.coef[order].astype(jnp.float32), start, length, labels
 
 
 def _body(order, coef, start, length, key, x, acc) -> None:
+    """A program's runs: their first rows loaded at once (most runs of random labels have one
+    row), each run's other rows :data:`ROWS` at a time, then their accumulator rows loaded at
+    once and the runs of rows written."""
     n, width = order.shape[0], THREADS * vec(x.shape[1])
     cols = pl.ds(lax.axis_index("c") * width, width)
     strided = plgpu.Layout.WG_STRIDED((width,), vec_size=vec(x.shape[1]))
+    runs_here = [lax.axis_index("g") * RUNS + j for j in range(RUNS)]
 
     def row(at: jax.Array, end: jax.Array) -> jax.Array:
         """Sorted row ``at``'s ``coef x`` in float32, 0 at and past ``end``."""
@@ -79,28 +90,22 @@ def _body(order, coef, start, length, key, x, acc) -> None:
         w = jnp.where(at < end, coef[held], 0.0)
         return w * plgpu.load(x.at[order[held]], cols, layout=strided).astype(jnp.float32)
 
-    def one_run(j: jax.Array, carry: None) -> None:
-        run = lax.axis_index("g") * RUNS + j
-        first, count = start[run], length[run]
+    firsts, counts = [start[r] for r in runs_here], [length[r] for r in runs_here]
+    totals = [row(first, first + count) for first, count in zip(firsts, counts, strict=True)]
+    for j, (first, count) in enumerate(zip(firsts, counts, strict=True)):
+
+        def step(s: jax.Array, total: jax.Array, first=first, count=count) -> jax.Array:
+            base = first + 1 + s * ROWS
+            return total + functools.reduce(lambda a, b: a + b, [row(base + t, first + count) for t in range(ROWS)])
+
+        totals[j] = lax.fori_loop(0, (count + ROWS - 2) // ROWS, step, totals[j])  # no step for a run of one row
+    rows = [acc.at[key[r]] for r in runs_here]
+    sums = [plgpu.load(dst, cols, layout=strided).astype(jnp.float32) + t for dst, t in zip(rows, totals, strict=True)]
+    for dst, total, count in zip(rows, sums, counts, strict=True):
 
         @pl.when(count > 0)
-        def _() -> None:
-            end = first + count
-
-            def step(s: jax.Array, total: jax.Array) -> jax.Array:
-                base = first + s * ROWS
-                parts = [row(base + t, end) for t in range(ROWS)]
-                return total + functools.reduce(lambda a, b: a + b, parts)
-
-            zero = plgpu.layout_cast(jnp.zeros((width,), jnp.float32), strided)
-            total = lax.fori_loop(0, (count + ROWS - 1) // ROWS, step, zero)
-            dst = acc.at[key[run]]
-            now = plgpu.load(dst, cols, layout=strided).astype(jnp.float32)
-            dst[cols] = (now + total).astype(acc.dtype)
-
-        return carry
-
-    lax.fori_loop(0, RUNS, one_run, None)
+        def _(dst=dst, total=total) -> None:
+            dst[cols] = total.astype(acc.dtype)
 
 
 def add_label_rows(acc: jax.Array, x: jax.Array, label: LabelTerm) -> jax.Array:
