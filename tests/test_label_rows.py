@@ -148,6 +148,22 @@ def test_labels_of_text_and_random_labels_are_summed_once(zipf, acc_dtype, devic
     assert torch.equal(got[untouched], grad_w[untouched].double())
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_rows_of_no_term_add_nothing_whatever_their_values(device):
+    """Rows of ``coef`` 0 (ignored, or labelled outside the slice), sorted after every label, hold
+    infinities and NaNs: no labelled row, the last run's included, takes any of them."""
+    gen = torch.Generator().manual_seed(13)
+    rows, v, h = 40, 9, 128
+    x = torch.randn(rows, h, generator=gen).to(torch.bfloat16)
+    y = torch.randint(0, v, (rows,), generator=gen)
+    coef = -torch.rand(rows, generator=gen)
+    coef[::3] = 0.0
+    x[::3, ::2], x[::3, 1::2] = float("inf"), float("nan")
+    grad_w = torch.randn(v, h, generator=gen)
+    want = grad_w.double().index_add(0, y[coef != 0], coef.double()[coef != 0, None] * x.double()[coef != 0])
+    torch.testing.assert_close(_add(grad_w, x, coef, y, device).double(), want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.skipif(importlib.util.find_spec("jax") is None, reason="jax is not installed")
 def test_the_mosaic_kernel_runs_cover_each_labelled_row_once():
     """``mosaic_label_rows.runs``: the rows sorted by label, cut into one run a label, cover every
@@ -172,4 +188,23 @@ def test_the_mosaic_kernel_runs_cover_each_labelled_row_once():
     for s, c, k in zip(start, length, key, strict=True):
         assert (y[order[s : s + c]] == k).all()
     assert len(set(key[length > 0])) == int((length > 0).sum())  # one run a label
+    assert ((key >= 0) & (key < v)).all()  # every run's row, an empty run's too, is one the kernel may read
     np.testing.assert_array_equal(sorted_coef, coef[order])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("jax") is None, reason="jax is not installed")
+def test_the_mosaic_kernel_takes_what_it_can_launch():
+    """``mosaic_label_rows.fits``: 16- or 32-bit floats, ``H`` a multiple of its warpgroup, at
+    most ``MAX_ROWS`` rows (its grid's axis); the rest is left to XLA's form."""
+    import jax
+    import jax.numpy as jnp
+
+    from jax_kl.backends import mosaic_label_rows
+
+    def fits(n: int, h: int = 256, acc=jnp.bfloat16, x=jnp.bfloat16, v: int = 1001) -> bool:
+        return mosaic_label_rows.fits(jax.ShapeDtypeStruct((v, h), acc), jax.ShapeDtypeStruct((n, h), x))
+
+    assert fits(300) and fits(300, 384, jnp.float32) and fits(mosaic_label_rows.MAX_ROWS, x=jnp.float16)
+    assert not fits(mosaic_label_rows.MAX_ROWS + 1)
+    assert not fits(300, 200) and not fits(300, v=0)
+    assert not fits(300, x=jnp.float8_e4m3fn) and not fits(300, acc=jnp.float64)

@@ -5,8 +5,9 @@ float32 and rounded into its row once (``jax_kl.gemm.add_label_rows`` states the
 
 Why: XLA makes the sums as a float32 ``[n, H]`` segment sum (a scatter of atomic adds into zeros),
 then gathers and scatters the accumulator's rows: several passes over ``[n, H]`` float32 arrays,
-about 1.7 % of a cross-entropy step (docs/design-notes.md). Here each input row is read once and
-each labelled row of the accumulator is read and written once.
+about 1.7 % of a cross-entropy step (docs/design-notes.md). Here each input row is read about once
+(a run's last step reads up to :data:`ROWS` - 1 rows past it, masked) and each labelled row of the
+accumulator is read and written once.
 
 Layout: XLA sorts the rows by label and cuts the sorted rows into runs, one a label (:func:`runs`:
 each run's first sorted row, length and label; runs of no rows past the last). One program takes
@@ -15,8 +16,8 @@ rows at once, sums each run's other rows :data:`ROWS` at a time (their loads ind
 other), then adds each run's sum to its accumulator row and stores it. Runs are disjoint, so no
 two programs write one row: no atomic adds, and the sum's order is the sorted rows' (the same
 result every call, unlike XLA's scatter).
-Rows, labels and columns are read with plain vector loads (no TMA): any number of rows, any row of
-the head.
+Rows, labels and columns are read with plain vector loads (no TMA): any row of the head, up to
+:data:`MAX_ROWS` rows (:func:`fits`; beyond, and on other machines, ``jax_kl.gemm``'s XLA form).
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ from .pallas_mosaic import unchecked_vma
 RUNS = 16  # runs a program: for random labels most runs are one row, so a program's loads are its runs'
 ROWS = 16  # a run's rows summed per step, their loads independent (a frequent label's run is long)
 THREADS = 128  # one warpgroup a program, each thread loading adjacent columns of a row (vec)
+# The runs' programs lie along a CUDA grid axis of at most 65535 blocks (Mosaic GPU puts a
+# mesh's first axis last): beyond, XLA's form runs.
+MAX_ROWS = 65535 * RUNS
 NAME = "fused_kl_label_rows_mosaic"
 
 
@@ -46,10 +50,11 @@ def vec(h: int) -> int:
 
 
 def fits(acc: jax.Array, x: jax.Array) -> bool:
-    """Whether this kernel can add the label's rows of ``x`` into ``acc``: floating dtypes of at
-    most 32 bits, ``H`` a multiple of :data:`THREADS`."""
-    floats = all(jnp.issubdtype(a.dtype, jnp.floating) and jnp.dtype(a.dtype).itemsize <= 4 for a in (acc, x))
-    return floats and acc.ndim == x.ndim == 2 and acc.shape[1] == x.shape[1] and x.shape[1] % THREADS == 0
+    """Whether this kernel can add the label's rows of ``x`` into ``acc``: bfloat16, float16 or
+    float32 arrays, ``H`` a multiple of :data:`THREADS`, at most :data:`MAX_ROWS` rows."""
+    floats = all(a.dtype in (jnp.bfloat16, jnp.float16, jnp.float32) for a in (acc, x))
+    shapes = acc.ndim == x.ndim == 2 and acc.shape[0] > 0 and acc.shape[1] == x.shape[1]
+    return floats and shapes and x.shape[1] % THREADS == 0 and x.shape[0] <= MAX_ROWS
 
 
 def runs(label: LabelTerm, v: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
@@ -65,9 +70,9 @@ def runs(label: LabelTerm, v: int) -> tuple[jax.Array, jax.Array, jax.Array, jax
     ordered = key[order]
     first = (ordered != jnp.concatenate([jnp.full((1,), -1, jnp.int32), ordered[:-1]])) & (ordered < v)
     total = n + -n % RUNS
-    at = jnp.where(first, jnp.cumsum(first) - 1, total)  # each run's index at its first row
-    start = jnp.zeros((total,), jnp.int32).at[at].set(jnp.arange(n, dtype=jnp.int32), mode="drop", unique_indices=True)
-    labels = jnp.zeros((total,), jnp.int32).at[at].set(ordered, mode="drop", unique_indices=True)
+    at = jnp.where(first, jnp.cumsum(first) - 1, total)  # each run's index at its first row; the others dropped
+    start = jnp.zeros((total,), jnp.int32).at[at].set(jnp.arange(n, dtype=jnp.int32), mode="drop")
+    labels = jnp.zeros((total,), jnp.int32).at[at].set(ordered, mode="drop")
     count, rows = jnp.sum(first, dtype=jnp.int32), jnp.sum(ordered < v, dtype=jnp.int32)
     j = jnp.arange(total, dtype=jnp.int32)
     end = jnp.where(j + 1 < count, jnp.concatenate([start[1:], jnp.zeros((1,), jnp.int32)]), rows)
@@ -87,8 +92,8 @@ def _body(order, coef, start, length, key, x, acc) -> None:
     def row(at: jax.Array, end: jax.Array) -> jax.Array:
         """Sorted row ``at``'s ``coef x`` in float32, 0 at and past ``end``."""
         held = jnp.minimum(at, n - 1)
-        w = jnp.where(at < end, coef[held], 0.0)
-        return w * plgpu.load(x.at[order[held]], cols, layout=strided).astype(jnp.float32)
+        term = coef[held] * plgpu.load(x.at[order[held]], cols, layout=strided).astype(jnp.float32)
+        return jnp.where(at < end, term, 0.0)  # not 0 * x: a row past the run may hold an infinity
 
     firsts, counts = [start[r] for r in runs_here], [length[r] for r in runs_here]
     totals = [row(first, first + count) for first, count in zip(firsts, counts, strict=True)]
@@ -111,7 +116,7 @@ def _body(order, coef, start, length, key, x, acc) -> None:
 def add_label_rows(acc: jax.Array, x: jax.Array, label: LabelTerm) -> jax.Array:
     """``acc`` (``grad_weight``'s ``[V, H]`` accumulator) with ``sum of label.coef_r x_r`` over the
     rows ``r`` labelled ``k`` added to row ``k``, written over ``acc``; needs :func:`fits`."""
-    assert fits(acc, x), "add_label_rows needs the kernel's shapes (fits)"
+    assert fits(acc, x) and label.y.shape == label.coef.shape == x.shape[:1], "add_label_rows needs fits's shapes"
     order, coef, start, length, key = runs(label, acc.shape[0])
     grid = (start.shape[0] // RUNS, x.shape[1] // (THREADS * vec(x.shape[1])))
     mesh = plgpu.Mesh(grid=grid, grid_names=("g", "c"), kernel_name=NAME)
