@@ -32,7 +32,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from fused_kl.chunk import LabelTerm
 
-from .pallas_mosaic import unchecked_vma
+from .pallas_mosaic import read, unchecked_vma
 
 RUNS = 16  # runs a program: for random labels most runs are one row, so a program's loads are its runs'
 ROWS = 16  # a run's rows summed per step, their loads independent (a frequent label's run is long)
@@ -92,7 +92,7 @@ def _body(order, coef, start, length, key, x, acc) -> None:
     def row(at: jax.Array, end: jax.Array) -> jax.Array:
         """Sorted row ``at``'s ``coef x`` in float32, 0 at and past ``end``."""
         held = jnp.minimum(at, n - 1)
-        term = coef[held] * plgpu.load(x.at[order[held]], cols, layout=strided).astype(jnp.float32)
+        term = coef[held] * read(x.at[order[held], cols], strided).astype(jnp.float32)
         return jnp.where(at < end, term, 0.0)  # not 0 * x: a row past the run may hold an infinity
 
     firsts, counts = [start[r] for r in runs_here], [length[r] for r in runs_here]
@@ -105,7 +105,7 @@ def _body(order, coef, start, length, key, x, acc) -> None:
 
         totals[j] = lax.fori_loop(0, (count + ROWS - 2) // ROWS, step, totals[j])  # no step for a run of one row
     rows = [acc.at[key[r]] for r in runs_here]
-    sums = [plgpu.load(dst, cols, layout=strided).astype(jnp.float32) + t for dst, t in zip(rows, totals, strict=True)]
+    sums = [read(dst.at[cols], strided).astype(jnp.float32) + t for dst, t in zip(rows, totals, strict=True)]
     for dst, total, count in zip(rows, sums, counts, strict=True):
 
         @pl.when(count > 0)

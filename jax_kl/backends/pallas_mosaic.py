@@ -104,14 +104,15 @@ def _wide(row: jax.Array, like: jax.Array) -> jax.Array:
     return lax.broadcast_in_dim(row, like.shape, (0,))
 
 
-def _read(ref, layout) -> jax.Array:
-    # jax 0.11 takes the ref alone (an index is deprecated); 0.10 needs the index.
+def read(ref, layout) -> jax.Array:
+    """The whole of ``ref`` in registers, in ``layout``: jax 0.11 takes the ref alone (an index is
+    deprecated), 0.10 needs the index."""
     return plgpu.load(ref, layout=layout) if _REF_ONLY else plgpu.load(ref, (), layout=layout)
 
 
 def _load(ref) -> jax.Array:
     """A ``[R, TV]`` tile in registers, in float32."""
-    return _read(ref, WGMMA).astype(jnp.float32)
+    return read(ref, WGMMA).astype(jnp.float32)
 
 
 _LOAD_PARAMS = inspect.signature(plgpu.load).parameters
@@ -169,7 +170,7 @@ def _launch(step, tiled: list, rowvecs: list, inits: list[float], write_grad: bo
             for k in range(nr):  # this block's per-row inputs, once
                 plgpu.copy_gmem_to_smem(row_gmem[k].at[rows_here], row_smem[k], barrier)
                 plgpu.barrier_wait(barrier)
-            row_values = [_read(ref, ROW) for ref in row_smem]
+            row_values = [read(ref, ROW) for ref in row_smem]
 
             def pipelined(indices, *tile_refs_and_carry):
                 *tile_refs, carry = tile_refs_and_carry
