@@ -37,8 +37,8 @@ from .pallas_mosaic import read, unchecked_vma
 RUNS = 16  # runs a program: for random labels most runs are one row, so a program's loads are its runs'
 ROWS = 16  # a run's rows summed per step, their loads independent (a frequent label's run is long)
 THREADS = 128  # one warpgroup a program, each thread loading adjacent columns of a row (vec)
-# The runs' programs lie along a CUDA grid axis of at most 65535 blocks (Mosaic GPU puts a
-# mesh's first axis last): beyond, XLA's form runs.
+# The runs' programs lie along CUDA's grid axis y, of at most 65535 blocks (Mosaic GPU reverses a
+# mesh's axes onto CUDA's, the columns' on x): beyond, XLA's form runs.
 MAX_ROWS = 65535 * RUNS
 NAME = "fused_kl_label_rows_mosaic"
 
