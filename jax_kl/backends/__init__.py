@@ -152,13 +152,14 @@ def _in_place_grad_weight() -> ModuleType | None:
     return mosaic_accumulate
 
 
-def _in_place_label_rows() -> ModuleType | None:
-    """``mosaic_label_rows`` where Mosaic GPU runs, else None."""
-    if mosaic_missing() is not None:
-        return None
-    from . import mosaic_label_rows
-
-    return mosaic_label_rows
+def _in_place_kernels() -> dict[str, ModuleType | None]:
+    """The Mosaic GPU backends' in-place ``grad_weight`` kernels, as :class:`Backend` fields:
+    ``mosaic_accumulate`` (:func:`_in_place_grad_weight`) and ``mosaic_label_rows`` where Mosaic
+    GPU runs."""
+    label_rows = None
+    if mosaic_missing() is None:
+        from . import mosaic_label_rows as label_rows
+    return {"in_place_grad_weight": _in_place_grad_weight(), "in_place_label_rows": label_rows}
 
 
 def _pallas(entry: Registered) -> Backend:
@@ -168,16 +169,14 @@ def _pallas(entry: Registered) -> Backend:
     mosaic = _mosaic_phases()
     if mosaic is None:
         return Backend(entry, forward, pallas_triton)
-    in_place = {"in_place_grad_weight": _in_place_grad_weight(), "in_place_label_rows": _in_place_label_rows()}
-    return Backend(entry, forward, xla_phases, mosaic, **in_place, factored=mosaic)
+    return Backend(entry, forward, xla_phases, mosaic, **_in_place_kernels(), factored=mosaic)
 
 
 def _pallas_mosaic(entry: Registered) -> Backend:
     from ..driver import forward
     from . import pallas_mosaic
 
-    in_place = {"in_place_grad_weight": _in_place_grad_weight(), "in_place_label_rows": _in_place_label_rows()}
-    return Backend(entry, forward, pallas_mosaic, **in_place, factored=pallas_mosaic)
+    return Backend(entry, forward, pallas_mosaic, **_in_place_kernels(), factored=pallas_mosaic)
 
 
 def _pallas_triton(entry: Registered) -> Backend:

@@ -11,7 +11,7 @@ accumulator is read and written once.
 
 Layout: XLA sorts the rows by label and cuts the sorted rows into runs, one a label (:func:`runs`:
 each run's first sorted row, length and label; runs of no rows past the last). One program takes
-:data:`RUNS` consecutive runs and one slice of columns (:func:`vec`): it loads its runs' first
+:data:`RUNS` consecutive runs and one slice of columns (:func:`width`): it loads its runs' first
 rows at once, sums each run's other rows :data:`ROWS` at a time (their loads independent of each
 other), then adds each run's sum to its accumulator row and stores it. Runs are disjoint, so no
 two programs write one row: no atomic adds, and the sum's order is the sorted rows' (the same
@@ -45,8 +45,13 @@ NAME = "fused_kl_label_rows_mosaic"
 
 def vec(h: int) -> int:
     """Adjacent columns a thread loads at once: 4 (16 bytes of float32) where ``h`` allows it, else
-    2 or 1; a program's slice is ``THREADS * vec(h)`` columns."""
+    2 or 1."""
     return next(v for v in (4, 2, 1) if h % (THREADS * v) == 0)
+
+
+def width(h: int) -> int:
+    """Columns a program takes: its warpgroup's threads times :func:`vec`."""
+    return THREADS * vec(h)
 
 
 def fits(acc: jax.Array, x: jax.Array) -> bool:
@@ -84,9 +89,9 @@ def _body(order, coef, start, length, key, x, acc) -> None:
     """A program's runs: their first rows loaded at once (most runs of random labels have one
     row), each run's other rows :data:`ROWS` at a time, then their accumulator rows loaded at
     once and the runs of rows written."""
-    n, width = order.shape[0], THREADS * vec(x.shape[1])
-    cols = pl.ds(lax.axis_index("c") * width, width)
-    strided = plgpu.Layout.WG_STRIDED((width,), vec_size=vec(x.shape[1]))
+    n, h = order.shape[0], x.shape[1]
+    cols = pl.ds(lax.axis_index("c") * width(h), width(h))
+    strided = plgpu.Layout.WG_STRIDED((width(h),), vec_size=vec(h))
     runs_here = [lax.axis_index("g") * RUNS + j for j in range(RUNS)]
 
     def row(at: jax.Array, end: jax.Array) -> jax.Array:
@@ -118,7 +123,7 @@ def add_label_rows(acc: jax.Array, x: jax.Array, label: LabelTerm) -> jax.Array:
     rows ``r`` labelled ``k`` added to row ``k``, written over ``acc``; needs :func:`fits`."""
     assert fits(acc, x) and label.y.shape == label.coef.shape == x.shape[:1], "add_label_rows needs fits's shapes"
     order, coef, start, length, key = runs(label, acc.shape[0])
-    grid = (start.shape[0] // RUNS, x.shape[1] // (THREADS * vec(x.shape[1])))
+    grid = (start.shape[0] // RUNS, x.shape[1] // width(x.shape[1]))
     mesh = plgpu.Mesh(grid=grid, grid_names=("g", "c"), kernel_name=NAME)
     ref = jax.new_ref(acc)
     with unchecked_vma():
