@@ -125,7 +125,12 @@ def add_label_rows(acc: jax.Array, x: jax.Array, label: LabelTerm) -> jax.Array:
     order, coef, start, length, key = runs(label, acc.shape[0])
     grid = (start.shape[0] // RUNS, x.shape[1] // width(x.shape[1]))
     mesh = plgpu.Mesh(grid=grid, grid_names=("g", "c"), kernel_name=NAME)
+    # Lane semantics named: the layouts above are Lane's, and a kernel without compiler
+    # parameters is not lowered in them by every jax.
+    params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
     ref = jax.new_ref(acc)
     with unchecked_vma():
-        pl.kernel(_body, out_type=(), mesh=mesh, name=NAME)(order, coef, start, length, key, x, ref)
+        pl.kernel(_body, out_type=(), mesh=mesh, compiler_params=params, name=NAME)(
+            order, coef, start, length, key, x, ref
+        )
     return jax.freeze(ref)
