@@ -9,6 +9,7 @@ them with the one float64 reference, ``fused_kl.reference``.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,6 +41,18 @@ TOLERANCE = {"float32": 2e-5, "bfloat16": 2e-2, "float16": 4e-3}
 # Options of how a call runs, never what it computes: the reference does not take them.
 RUN_OPTIONS = ("accum_dtype", "chunk_size", "backend")
 TEACHER_ARRAYS = ("teacher_weight", "teacher_bias", "target_indices")
+
+
+def jax_pallas_on_hopper(**fields) -> jax_kl.backends.Backend:
+    """``jax_kl``'s ``"pallas"`` as it resolves where Mosaic GPU runs (its phases and in-place
+    ``grad_weight`` kernels), with ``fields`` replaced: lowered for CUDA on a machine without one."""
+    from jax_kl.backends import mosaic_accumulate, mosaic_label_rows, pallas_mosaic, xla_phases
+
+    hopper = {
+        "phases": xla_phases, "mosaic_phases": pallas_mosaic,
+        "in_place_grad_weight": mosaic_accumulate, "in_place_label_rows": mosaic_label_rows,
+    }  # fmt: skip
+    return dataclasses.replace(jax_kl.backends.resolve("pallas"), **{**hopper, **fields})
 
 
 @dataclass

@@ -13,6 +13,7 @@ import pytest
 
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
+from harness import jax_pallas_on_hopper  # noqa: E402
 
 from fused_kl.loss import Loss, Teacher  # noqa: E402
 from fused_kl.rows import MIXTURE_SUMS  # noqa: E402
@@ -241,15 +242,6 @@ def test_in_place_kernels_lower_inside_shard_map() -> None:
     assert len(calls) == 2 and "operand_index = 1" in calls[1]
 
 
-def _as_on_hopper(**fields):
-    """``"pallas"`` as it resolves where Mosaic GPU runs (the in-place ``grad_weight`` kernels too)."""
-    from jax_kl.backends import mosaic_accumulate, mosaic_label_rows
-
-    in_place = {"in_place_grad_weight": mosaic_accumulate, "in_place_label_rows": mosaic_label_rows}
-    fields = {"phases": xla_phases, "mosaic_phases": pallas_mosaic, **in_place, **fields}
-    return dataclasses.replace(resolve("pallas"), **fields)
-
-
 def _grad_weight_lowering(backend, n: int, h: int, v: int, probs: bool = False) -> str:
     """The CUDA lowering of a cross-entropy step's ``grad_weight`` (``probs``: a forward KL's
     against dense float32 probabilities instead), 256-row chunks."""
@@ -291,10 +283,10 @@ def test_an_unaligned_vocabulary_keeps_grad_weight_in_one_array_where_the_in_pla
         return joins, zeros, made, written
 
     # 4 chunks: one kernel makes the array, three add into it, the row writer puts the rest in, the labels' rows
-    assert count(_as_on_hopper()) == (0, 0, 1 + 3 + 1 + 1, 3 + 1 + 1)
-    assert count(_as_on_hopper(in_place_grad_weight=None))[:2] == (1, 0)
+    assert count(jax_pallas_on_hopper()) == (0, 0, 1 + 3 + 1 + 1, 3 + 1 + 1)
+    assert count(jax_pallas_on_hopper(in_place_grad_weight=None))[:2] == (1, 0)
     # a last chunk the in-place add cannot take (233 rows): the parts' accumulators again
-    lines = _grad_weight_lowering(_as_on_hopper(), 1001, 256, 8291).splitlines()
+    lines = _grad_weight_lowering(jax_pallas_on_hopper(), 1001, 256, 8291).splitlines()
     assert sum("stablehlo.concatenate" in line and "tensor<8291x256xbf16>" in line for line in lines) == 1
 
 
@@ -330,7 +322,7 @@ def test_a_last_chunk_of_odd_rows_keeps_xla_s_add() -> None:
     """1001 rows in chunks of 256: the last chunk's 233 rows are no whole number of the operands'
     8-row tiles, so its ``grad_weight`` is added by XLA; the step lowers for CUDA."""
     # chunks 1 to 3: stats and finish on Mosaic GPU; chunks 2 and 3 add in place; chunk 4 on XLA; the labels' rows
-    assert _mosaic_calls(_as_on_hopper(), 1001, 256, 8192) == (3 * 2 + 2 + 1, 2)
+    assert _mosaic_calls(jax_pallas_on_hopper(), 1001, 256, 8192) == (3 * 2 + 2 + 1, 2)
 
 
 def test_vocabulary_parts_split_where_the_in_place_add_takes_the_aligned_part() -> None:
@@ -348,8 +340,8 @@ def test_vocabulary_parts_split_where_the_in_place_add_takes_the_aligned_part() 
     assert [(p.start, p.stop) for p in gemm.vocab_parts(100, True)] == [(0, 100)]
     # every chunk's aligned part: stats, finish and its grad_weight GEMM on Mosaic GPU (the first
     # making the array, the three after it adding in place), the row writer and the labels' rows
-    assert _mosaic_calls(_as_on_hopper(), 1024, 256, 8291) == (4 * 3 + 1 + 1, 3)
+    assert _mosaic_calls(jax_pallas_on_hopper(), 1024, 256, 8291) == (4 * 3 + 1 + 1, 3)
     # one part: all on XLA but the labels' rows
-    assert _mosaic_calls(_as_on_hopper(vocab_parts=False), 1024, 256, 8291) == (1, 0)
+    assert _mosaic_calls(jax_pallas_on_hopper(vocab_parts=False), 1024, 256, 8291) == (1, 0)
     # a dense teacher's aligned columns go with the aligned part: its stats and finish too (no labels)
-    assert _mosaic_calls(_as_on_hopper(), 1024, 256, 8291, probs=True) == (4 * 3 + 1, 3)
+    assert _mosaic_calls(jax_pallas_on_hopper(), 1024, 256, 8291, probs=True) == (4 * 3 + 1, 3)

@@ -12,18 +12,7 @@ import pytest
 
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
-
-from jax_kl.backends import resolve, xla_phases  # noqa: E402
-
-
-def _as_on_hopper(**fields):
-    """``"pallas"`` as it resolves where Mosaic GPU runs (the in-place ``grad_weight`` kernels too)."""
-    from jax_kl.backends import mosaic_accumulate, mosaic_label_rows, pallas_mosaic
-
-    return dataclasses.replace(
-        resolve("pallas"), phases=xla_phases, mosaic_phases=pallas_mosaic, in_place_grad_weight=mosaic_accumulate,
-        in_place_label_rows=mosaic_label_rows, **fields,
-    )  # fmt: skip
+from harness import jax_pallas_on_hopper  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +108,7 @@ def test_what_reads_the_logits_comes_before_the_kernel_that_overwrites_them(kind
     accumulator before the add into it."""
     import jax_kl
 
-    backend = _as_on_hopper()
+    backend = jax_pallas_on_hopper()
     x, w = jax.ShapeDtypeStruct((512, 256), jnp.bfloat16), jax.ShapeDtypeStruct((v, 256), jnp.bfloat16)
     labels = jax.ShapeDtypeStruct((512,), jnp.int32)
     if kind == "cross_entropy":
