@@ -7,8 +7,6 @@ and ``"auto"`` resolve to with and without Mosaic GPU. Their numbers are tested 
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 jax = pytest.importorskip("jax")
@@ -139,7 +137,7 @@ def test_pallas_runs_the_xla_phases_where_mosaic_cannot_move_a_chunk() -> None:
     expected = pallas_mosaic if mosaic_missing() is None else pallas_triton
     assert resolve("pallas").chunk_phases(z, None) is expected
     # as on a Hopper GPU: the Mosaic GPU kernels, else the XLA phases, never the Triton lowering
-    with_mosaic = dataclasses.replace(resolve("pallas"), phases=xla_phases, mosaic_phases=pallas_mosaic)
+    with_mosaic = jax_pallas_on_hopper()
     assert with_mosaic.chunk_phases(z, None) is pallas_mosaic
     assert with_mosaic.chunk_phases(jnp.zeros((64, 100), jnp.bfloat16), None) is xla_phases
     assert with_mosaic.chunk_phases(z, (jnp.zeros((64, 128), jnp.float32), 32)) is xla_phases  # teacher row 32
