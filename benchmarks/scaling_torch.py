@@ -106,13 +106,13 @@ def main() -> None:
     try:
         result = measure(args.rank, args.world, args.n, args.head, args.reps)
         args.out.write_text(json.dumps(result))
-        # Every rank done before any tears the group down: a gloo rank whose peer had already
-        # destroyed the group aborted at exit on a loaded CI machine.
+        # Every rank done before any tears the group down: a rank still in a collective when its
+        # peer destroys the group may abort at exit.
         dist.barrier()
     finally:
         dist.destroy_process_group()
-    # Leave without the interpreter's teardown, which aborted a gloo rank after a complete run
-    # twice in fresh-clone CI runs (threads of the group outliving it, as far as can be told).
+    # Leave without the interpreter's teardown: gloo's threads may outlive the group, and joining
+    # them at exit can abort a rank whose result is already written.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -400,3 +400,11 @@ def backend_unavailable(backend: str, why: str) -> ValueError:
 
 def unknown_backend(backend: object, names: tuple[str, ...]) -> ValueError:
     return ValueError(f"backend: expected one of {', '.join(repr(n) for n in names)}, got {backend!r}")
+
+
+def single_device_backend(backend: str, layout_args: str, multi_device: Sequence[str]) -> ValueError:
+    """The error for a one-device backend asked for a multi-device layout by ``layout_args``,
+    naming the backends that take one."""
+    names = [repr(n) for n in multi_device]
+    listed = names[-1] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+    return ValueError(f"backend: {backend!r} runs on one device; {layout_args} need {listed}")

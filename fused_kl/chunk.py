@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from . import rowmath
+from . import factored, rowmath
 from .loss import Loss
 from .rows import STATS
 
@@ -216,7 +216,7 @@ def row_phases(
         zs, g_at = ops.materialize(zs, g_at)
     label = None
     if label_apart and write_grad and loss.cross_entropy:
-        held = None if topk is None else (write & (at == y_local[:, None])).any(-1)
+        held = None if topk is None else factored.label_held(at, write, y_local)
         label = label_term(y_local, width, scales.hard, stats[:, STATS.label_logit], loss, held, xp)
         ys = [xp.full_like(yp, -1) for yp in ys]  # finish's labels: no column matches, the entry is apart
     gs = partial = None

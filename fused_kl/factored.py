@@ -77,6 +77,28 @@ def alpha(q_factor: Any, shift: Any, lse: Any, loss: Loss, xp: Any) -> Any:
     return xp.where(q_factor == 0, 0.0, q_factor * loss.logit_scale * xp.exp(shift - lse))
 
 
+def q_factor(c_soft: Any, c_hard: Any, c_z: Any, k: Any | None, loss: Loss, xp: Any) -> Any:
+    """The rows' factor ``w`` of ``q`` in ``dL/dz``: the hard term's and the z-loss's (a multiple
+    of ``q``), plus ``c_soft K`` with a top-k teacher (``k`` its rows' ``K``, else None). A row of
+    no soft weight (an ignored row) takes none of ``K``, which its NaN teacher entries would make
+    NaN: ignored rows stay ignored whatever their values."""
+    if k is None:
+        return c_hard + c_z
+    return xp.where(c_soft != 0, c_soft * k, 0.0) + (c_hard + c_z if loss.hard else 0.0)
+
+
+def only_sparse(q_factor: Any, values: Any, write: Any) -> Any:
+    """The rows whose gradient lies at a top-k teacher's tokens alone (``values`` where
+    ``write``, no dense part ``w``): their ``E`` is zeroed before the tokens' entries are written."""
+    return (q_factor == 0) & (write & (values != 0)).any(-1)
+
+
+def label_held(at: Any, write: Any, y: Any | None) -> Any:
+    """The rows whose label is one of the top-k teacher's tokens written (``at`` where ``write``):
+    that entry holds ``dL/dz_y``, so the label's term is not kept apart (None without labels)."""
+    return None if y is None else (write & (at == y[:, None])).any(-1)
+
+
 def _zero(value: Any) -> bool:
     return isinstance(value, (int, float)) and value == 0.0
 

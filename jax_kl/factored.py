@@ -113,16 +113,14 @@ def chunk(
     ]
     es, each, maxima = (tuple(column) for column in zip(*passes, strict=True))
     stats = layout.combine_stats(parts_stats(each, jnp))
-    c_soft, c_hard, c_z = scales.soft, scales.hard, rowmath.z_scale(stats, scales)
-    soft, sparse, q_factor = None, None, c_hard + c_z  # the z-loss's gradient is a multiple of q
+    c_soft, c_hard, c_z = scales.soft, scales.hard, rowmath.z_scale(stats, scales)  # z: a multiple of q
+    soft, sparse, k = None, None, None  # k: a top-k teacher's rows' K
     if topk is not None:
         soft, k, at, g_at, write = topk_part(
             lambda at, inside: at_tokens, topk, y, (c_soft, c_hard, c_z), v0, width, stats, loss, v_total, layout, OPS
         )  # fmt: skip
-        # A row of no soft weight (an ignored row) takes none of k, which its NaN teacher entries
-        # would make NaN: ignored rows stay ignored whatever their values.
-        q_factor = jnp.where(c_soft != 0, c_soft * k, 0.0) + (c_hard + c_z if loss.hard else 0.0)
         sparse = (at, g_at, write)
+    q_factor = factored.q_factor(c_soft, c_hard, c_z, k, loss, jnp)
     losses = rowmath.row_losses(stats, keep, soft, row_weight, weights, loss, v_total, jnp)
     if not write_grad:
         return losses, None
@@ -148,9 +146,9 @@ def settle(
     dense, held = q_factor, None
     if sparse is not None:  # a row whose gradient lies at the teacher's tokens alone: E zeroed there
         at, values, write = sparse
-        empty = (q_factor == 0) & (write & (values != 0)).any(-1)
+        empty = factored.only_sparse(q_factor, values, write)
         remake, dense = remake | empty, jnp.where(empty, 1.0, q_factor)
-        held = None if y is None else (write & (at == y[:, None])).any(-1)  # a token holds dL/dz_y
+        held = factored.label_held(at, write, y)
     es = _remade(parts, remake, q_factor, xc, weight, loss)
     alpha = factored.alpha(dense, shift, lse, loss, jnp)
     if sparse is not None:

@@ -80,8 +80,9 @@ def _distinct(batch_axis, vocab_axis) -> None:
 
 
 def _teacher_specs(loss: Loss, teacher: TeacherArrays, b, v) -> TeacherArrays:
-    fmt = None if loss.teacher is None else loss.teacher.format
-    rows = P(b, v) if fmt in ("probs", "log_probs", "logits") else P(b, None)
+    t = loss.teacher
+    vocab_wide = t is not None and t.format != "hidden" and t.dense_format is not None  # the user's [N, V]
+    rows = P(b, v) if vocab_wide else P(b, None)
     return TeacherArrays(
         None if teacher.target is None else rows,
         None if teacher.weight is None else P(v, None),

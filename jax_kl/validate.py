@@ -14,6 +14,7 @@ from fused_kl.checks import (
     check_array_args,
     check_int32_ignore_index,
     check_options,
+    single_device_backend,
     widened_index_dtype,
 )
 from fused_kl.loss import VALUE_ARGUMENTS, Loss
@@ -210,10 +211,8 @@ def validate(
     if single_device:
         _check_no_explicit_axes(arrays)
     if chosen.single_device and not single_device:
-        raise ValueError(
-            f"backend: {backend!r} runs on one device; mesh, batch_axis and vocab_axis need 'pallas', "
-            "'pallas_mosaic', 'pallas_triton' or 'xla'"
-        )
+        multi = [name for name, entry in backends.REGISTRY.items() if not entry.single_device]
+        raise single_device_backend(backend, "mesh, batch_axis and vocab_axis", multi)
     if arrays.get("labels") is not None and not jax.config.jax_enable_x64:
         # Else the comparison with the labels overflows inside the jitted program.
         check_int32_ignore_index(loss.ignore_index, "JAX's labels are int32 without jax_enable_x64")

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from fused_kl import factored as factored_math
 from fused_kl import rowmath
 from fused_kl.chunk import LabelTerm, VocabPart, local_labels, row_phases, topk_part
 from fused_kl.loss import Loss
@@ -100,7 +101,7 @@ def _factored_chunk(
     stats = layout.combine_stats(local_stats(y_local))
     c_soft, c_hard = scales.soft, scales.hard
     c_z = rowmath.z_scale(stats, scales)  # the z-loss's gradient is a multiple of q: it joins q's factor
-    soft, sparse, q_factor = None, None, c_hard + c_z
+    soft, sparse, k = None, None, None  # k: a top-k teacher's rows' K
     if topk is not None:  # the student's logits at the teacher's tokens come from E
         if backend.factored_topk is not None and layout.vocab_group is None:  # the whole part in one kernel
             soft, k, at, g_at, write = backend.factored_topk(
@@ -111,10 +112,8 @@ def _factored_chunk(
                 lambda at, inside: factored.logits_at(z, tiles, at, inside, xc, weight, loss),
                 topk, y, (c_soft, c_hard, c_z), v0, z.shape[1], stats, loss, v_total, layout, OPS,
             )  # fmt: skip
-        # A row of no soft weight (an ignored row) takes none of k, which its NaN teacher entries
-        # would make NaN: ignored rows stay ignored whatever their values.
-        q_factor = torch.where(c_soft != 0, c_soft * k, 0.0) + (c_hard + c_z if loss.hard else 0.0)
         sparse = (at, g_at, write)
+    q_factor = factored_math.q_factor(c_soft, c_hard, c_z, k, loss, torch)
     losses = rowmath.row_losses(stats, keep, soft, row_weight, weights, loss, v_total, torch)
     if grads.x is None and grads.weight is None:
         return losses

@@ -18,6 +18,7 @@ from fused_kl.checks import (
     check_int32_ignore_index,
     check_options,
     check_teacher_arrays,
+    single_device_backend,
     teacher_weight_required,
     widened_index_dtype,
 )
@@ -252,9 +253,8 @@ def _validate(
     v_total = weight.shape[0] * shards if isinstance(weight, torch.Tensor) and weight.ndim == 2 else None
     shapes = check_array_args(facts, loss, v_total, **arrays)
     if chosen.single_device and layout.distributed:
-        raise ValueError(
-            f"backend: {backend!r} runs on one device; batch_group and vocab_group need 'triton' or 'torch'"
-        )
+        multi = [name for name, entry in backends.REGISTRY.items() if not entry.single_device]
+        raise single_device_backend(backend, "batch_group and vocab_group", multi)
     if chosen.name == "pallas" and arrays.get("labels") is not None:
         check_int32_ignore_index(loss.ignore_index, "backend 'pallas' hands the labels to JAX as int32")
     wait = check_values(

@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from fused_kl import terms
+from fused_kl import rowmath, terms
 from fused_kl.loss import Loss
 from fused_kl.rows import Coefs, MixtureSums
 
@@ -46,9 +46,8 @@ def reverse_step(m, s, u, a: jax.Array, b: jax.Array, wide: Wide) -> tuple[jax.A
 
 
 def lse_of(m: jax.Array, s: jax.Array) -> jax.Array:
-    """The log-sum-exp from the running ``(max, sum)`` of tile rows (axis 0)."""
-    m_all = jnp.max(m, axis=0)
-    return m_all + jnp.log(jnp.sum(s * jnp.exp(m - m_all), axis=0))
+    """The log-sum-exp from the running ``(max, sum)`` of tile rows or segments (axis 0)."""
+    return rowmath.combine_lse(m + jnp.log(s), lambda a: jnp.max(a, axis=0), lambda a: jnp.sum(a, axis=0), jnp)
 
 
 def reverse_part(m: jax.Array, s: jax.Array, u: jax.Array) -> jax.Array:

@@ -245,11 +245,6 @@ def _tiled(z: jax.Array, t) -> list:
     return [(z, 0)] if t is None else [(z, 0), (t[0], t[1] // R)]
 
 
-def _lse(m: jax.Array, s: jax.Array) -> jax.Array:
-    """A row's log-sum-exp from its segments' running ``(max, sum)``: ``[segs, rows]`` each."""
-    return rowmath.combine_lse(m + jnp.log(s), lambda a: jnp.max(a, axis=0), lambda a: jnp.sum(a, axis=0), jnp)
-
-
 def stats(z: jax.Array, t: DenseChunk | None, y: jax.Array | None, loss: Loss, tile: tuple[int, int]) -> jax.Array:
     """``fused_kl.rows.Stats`` of each row of the chunk (local to this vocabulary slice)."""
     del tile
@@ -259,7 +254,7 @@ def stats(z: jax.Array, t: DenseChunk | None, y: jax.Array | None, loss: Loss, t
     step = functools.partial(_stats_step, v=v, loss=loss, carries=carries)
     parts = _launch(step, _tiled(z, t), [], carries.inits())
     zero = jnp.zeros((rows,), jnp.float32)
-    columns = online.stats_columns(parts, carries, _lse, lambda a: jnp.sum(a, axis=0), zero)
+    columns = online.stats_columns(parts, carries, online.lse_of, lambda a: jnp.sum(a, axis=0), zero)
     label_logit = zero
     if y is not None:
         label_logit = rowmath.label_logit(z, y, loss, OPS.gather, jnp)
@@ -279,7 +274,8 @@ def exp_stats(z: jax.Array, y: jax.Array | None, loss: Loss) -> tuple[jax.Array,
     carries = online.StatsCarries.of(loss, False, y is not None)
     step = functools.partial(_exp_stats_step, v=v, loss=loss, carries=carries)
     *parts, e = _launch(step, [(z, 0)], [], carries.inits(), write_grad=True)
-    columns = online.stats_columns(parts, carries, _lse, lambda a: jnp.sum(a, axis=0), jnp.zeros_like(label_logit))
+    total = lambda a: jnp.sum(a, axis=0)
+    columns = online.stats_columns(parts, carries, online.lse_of, total, jnp.zeros_like(label_logit))
     return e, jnp.stack(Stats(**columns, label_logit=label_logit), axis=1), jnp.max(parts[0], axis=0)
 
 

@@ -310,7 +310,7 @@ def settle(
     flags, dense = tiles.bad, q_factor
     if sparse is not None:
         at, values, mask = sparse
-        empty = (q_factor == 0) & (mask & (values != 0)).any(-1)
+        empty = factored.only_sparse(q_factor, values, mask)
         flags = torch.where(empty, 2, flags).to(torch.int8)
         dense = torch.where(empty, 1.0, q_factor)
     _repair_kernel[(rows,)](z, tiles.max, tiles.shift, flags, rows, v, z.stride(0), BN=tiles.width)
@@ -318,7 +318,7 @@ def settle(
     alpha = factored.alpha(dense, tiles.shift, lse, loss, torch)
     label = None
     if y is not None:  # dL/dz_y = logit_scale u_y (w q_y - c_hard): alpha E_y, and the label's term
-        held = None if sparse is None else (mask & (at == y[:, None])).any(-1)  # a teacher's entry holds dL/dz_y
+        held = None if sparse is None else factored.label_held(at, mask, y)
         label = label_term(y, v, c_hard, stats[:, STATS.label_logit], loss, held, torch)
     if sparse is not None:
         set_at(z, at, values / torch.where(alpha == 0, 1.0, alpha)[:, None], mask)
