@@ -176,12 +176,13 @@ def check_options(
     return loss, run
 
 
-def cross_entropy_reduction(reduction: object) -> object:
-    """The loss reduction of the fused cross-entropy's ``"mean"`` / ``"sum"`` (torch's meanings:
-    ``"mean"`` divides by the kept rows); ``"none"`` goes on to :func:`check_options`' message."""
-    if reduction == "none":
-        return reduction
-    return {"mean": "batchmean", "sum": "sum"}[_one_of("reduction", reduction, ("mean", "sum"))]
+def cross_entropy_options(reduction: object, **options: object) -> dict[str, object]:
+    """The loss options of a fused cross-entropy call: the hard term alone, and the reduction of its
+    ``"mean"`` / ``"sum"`` (torch's meanings: ``"mean"`` divides by the kept rows; ``"none"`` goes
+    on to :func:`check_options`' message)."""
+    if reduction != "none":
+        reduction = {"mean": "batchmean", "sum": "sum"}[_one_of("reduction", reduction, ("mean", "sum"))]
+    return dict(options, reduction=reduction, weight_hard_loss=1.0, weight_soft_loss=0.0)
 
 
 def _shape(facts: ArrayFacts) -> str:

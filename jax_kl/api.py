@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.typing import DTypeLike
 
-from fused_kl.checks import check_flag, cross_entropy_reduction
+from fused_kl.checks import check_flag, cross_entropy_options
 
 from .autograd import fused_linear_loss
 from .backends import Backend
@@ -182,8 +182,8 @@ def fused_linear_cross_entropy(
     ``"mean"`` divides by the kept rows as torch does; ``row_weight``, ``return_row_losses`` and
     ``z_loss_weight`` as :func:`fused_linear_kl_div`'s."""
     arrays = dict(x=x, weight=weight, labels=labels, bias=bias, row_weight=row_weight)
-    options = dict(
-        reduction=cross_entropy_reduction(reduction),
+    options = cross_entropy_options(
+        reduction,
         ignore_index=ignore_index,
         label_smoothing=label_smoothing,
         logit_scale=logit_scale,
@@ -191,8 +191,6 @@ def fused_linear_cross_entropy(
         accum_dtype=accum_dtype,
         chunk_size=chunk_size,
         backend=backend,
-        weight_hard_loss=1.0,
-        weight_soft_loss=0.0,
         z_loss_weight=z_loss_weight,
     )
     return _run(arrays, False, return_row_losses, mesh, batch_axis, vocab_axis, options)

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from fused_kl.checks import check_flag, cross_entropy_reduction
+from fused_kl.checks import check_flag, cross_entropy_options
 from fused_kl.options import Needs
 
 from . import compiled
@@ -200,8 +200,8 @@ def fused_linear_cross_entropy(
     ``"mean"`` divides by the kept rows as torch does; ``row_weight``, ``return_row_losses`` and
     ``z_loss_weight`` as :func:`fused_linear_kl_div`'s."""
     arrays = dict(x=x, weight=weight, labels=labels, bias=bias, row_weight=row_weight)
-    options = dict(
-        reduction=cross_entropy_reduction(reduction),
+    options = cross_entropy_options(
+        reduction,
         ignore_index=ignore_index,
         label_smoothing=label_smoothing,
         logit_scale=logit_scale,
@@ -209,8 +209,6 @@ def fused_linear_cross_entropy(
         accum_dtype=accum_dtype,
         chunk_size=chunk_size,
         backend=backend,
-        weight_hard_loss=1.0,
-        weight_soft_loss=0.0,
         z_loss_weight=z_loss_weight,
     )
     return _run(arrays, Layout(batch_group, vocab_group), False, return_row_losses, options)

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch
 
-from fused_kl.checks import check_flag, cross_entropy_reduction
+from fused_kl.checks import check_flag, cross_entropy_options
 
 from .api import fused_linear_cross_entropy, fused_linear_kl_div
 from .validate import check_module_options
@@ -192,8 +192,8 @@ class FusedLinearCrossEntropyLoss(torch.nn.Module):
         self.options = _constructor_options(
             options, fused_linear_cross_entropy, ("x", "weight", "labels", "bias", "row_weight")
         )
-        reduction = cross_entropy_reduction(self.options.get("reduction", "mean"))
-        check_module_options(dict(self.options, reduction=reduction, weight_hard_loss=1.0, weight_soft_loss=0.0), False)
+        rest = {k: v for k, v in self.options.items() if k != "reduction"}
+        check_module_options(cross_entropy_options(self.options.get("reduction", "mean"), **rest), False)
 
     def forward(
         self,
