@@ -8,20 +8,20 @@ and after it (the card's clock drifts with its temperature).
 
 from __future__ import annotations
 
+import functools
+
 import torch
-import triton
 
 import torch_kl
+from benchmarks.measure import Timing, time_against_floor, time_ms
 from fused_kl import rowmath
 from fused_kl.loss import Loss, Teacher
 from fused_kl.plan import plan_chunks
 from torch_kl.backends import resolve
 
 N, H, V = 8192, 4096, 128256
-
-
-def median_ms(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=25, rep=300, return_mode="median")
+TIMING = Timing(reps=15, rep_ms=300.0, warmup_ms=25.0)
+median_ms = functools.partial(time_ms, "torch", timing=TIMING, on_gpu=True)
 
 
 def main() -> None:
@@ -36,9 +36,7 @@ def main() -> None:
         torch.mm(z, w)
         torch.mm(z.t(), x)
 
-    def x_floor(fn) -> tuple[float, float]:
-        before, ms, after = median_ms(floor), median_ms(fn), median_ms(floor)
-        return ms, ms / ((before + after) / 2)
+    x_floor = functools.partial(time_against_floor, "torch", floor_step=floor, timing=TIMING, on_gpu=True)
 
     print(f"floor (3 GEMMs, N={N}): {median_ms(floor):.2f} ms")
     rows = plan_chunks(N, V, 2, None).chunk_rows

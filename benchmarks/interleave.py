@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from .bench import bench_environment, progress_bar
-from .measure import Timing, sync, time_ms
+from .measure import Timing, sync, time_against_floor
 from .modes import MODES, make_inputs, make_weight
 from .shapes import parse_head
 
@@ -65,10 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(rounds):
         for name, step in steps.items():
             bar.set_description(f"round {r} {name}")
-            before = time_ms("torch", floor, timing, on_gpu)
-            ms = time_ms("torch", step, timing, on_gpu)
-            after = time_ms("torch", floor, timing, on_gpu)
-            ratios[name].append(ms / ((before + after) / 2))
+            ratios[name].append(time_against_floor("torch", step, floor, timing, on_gpu, rounds=1)[1])
             bar.update()
         bar.write(f"round {r}: " + "  ".join(f"{k} {v[-1]:.3f}" for k, v in ratios.items()), file=sys.stdout)
     bar.close()

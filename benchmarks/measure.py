@@ -70,12 +70,14 @@ def time_ms(framework: str, step: Callable[[], Any], timing: Timing, on_gpu: boo
 
 
 def time_against_floor(
-    framework: str, step: Callable[[], Any], floor_step: Callable[[], Any], timing: Timing, on_gpu: bool
-) -> tuple[float, float]:
-    """Median milliseconds of ``step`` and its median ratio to the (torch) floor timed around it."""
+    framework: str, step: Callable[[], Any], floor_step: Callable[[], Any], timing: Timing, on_gpu: bool,
+    rounds: int = ROUNDS,
+) -> tuple[float, float]:  # fmt: skip
+    """Median milliseconds of ``step`` and its median ratio to the (torch) floor timed around each
+    of its ``rounds`` timings."""
     floors = [time_ms("torch", floor_step, timing, on_gpu)]
     times = []
-    for _ in range(ROUNDS):
+    for _ in range(rounds):
         times.append(time_ms(framework, step, timing, on_gpu))
         floors.append(time_ms("torch", floor_step, timing, on_gpu))
     ratios = [t / ((before + after) / 2) for t, before, after in zip(times, floors, floors[1:], strict=False)]

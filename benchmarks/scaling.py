@@ -93,7 +93,7 @@ def collectives(results: dict[str, dict[str, Any]], n: int) -> str:
         m = results["torch"]
         grad_x, stats = m["all_reduce_grad_x_ms"], m["all_reduce_stats_ms"]
         lines.append(f"vocabulary sharded: all-reduce of grad_x [{n}, H]: {grad_x:.3f} ms = {grad_x * 1e6 / n:.1f} "
-                     f"ns/row; of one chunk's statistics [{m['stats_rows']}, 3]: {stats * 1e3:.1f} µs "
+                     f"ns/row; of one chunk's statistics {m['stats_shape']}: {stats * 1e3:.1f} µs "
                      "(three per chunk, latency-bound)")  # fmt: skip
     for framework, m in results.items():
         if "all_reduce_grad_weight_ms" in m:

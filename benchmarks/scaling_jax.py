@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -24,17 +24,13 @@ from jax.sharding import PartitionSpec as P
 
 import jax_kl
 
+from .measure import Timing, time_ms
 from .shapes import parse_head
 
 
-def _median_ms(fn, args: tuple, reps: int) -> float:
+def _median_ms(fn: Callable[..., Any], args: tuple, reps: int) -> float:
     jax.block_until_ready(fn(*args))  # compile
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+    return time_ms("jax", lambda: fn(*args), Timing(reps=reps, rep_ms=0.0, warmup_ms=0.0), on_gpu=False)
 
 
 def measure(world: int, n: int, head: str, reps: int) -> dict[str, float]:

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 import torch_kl
 from fused_kl.plan import default_chunk_rows
+from fused_kl.rows import STATS
 
 from .shapes import parse_head
 
@@ -71,7 +72,7 @@ def measure(rank: int, world: int, n: int, head: str, reps: int) -> dict[str, fl
         return run
 
     grad_x = torch.empty(n, h, dtype=dtype, device=device)
-    stats = torch.empty(default_chunk_rows(n, share, torch.finfo(dtype).bits // 8), 3, device=device)
+    stats = torch.empty(default_chunk_rows(n, share, torch.finfo(dtype).bits // 8), len(STATS), device=device)
     return {
         "one_device_ms": _median_ms(step(x_own, weight, teacher), reps, device),
         "rows_ms": _median_ms(step(x_own, weight, teacher, batch_group=group), reps, device),
@@ -81,7 +82,7 @@ def measure(rank: int, world: int, n: int, head: str, reps: int) -> dict[str, fl
         "all_reduce_stats_ms": _median_ms(lambda: dist.all_reduce(stats), reps, device),
         # Rows sharded: what DDP then adds to reduce grad_weight (torch_kl leaves it to DDP/FSDP).
         "all_reduce_grad_weight_ms": _median_ms(lambda: dist.all_reduce(weight), reps, device),
-        "stats_rows": stats.shape[0],
+        "stats_shape": list(stats.shape),
         "grad_weight_gib_one_device": v * h * weight.element_size() / 2**30,
         "grad_weight_gib_vocab": share * h * weight.element_size() / 2**30,
     }

@@ -24,6 +24,7 @@ from jax_kl.layout import SINGLE
 from jax_kl.teachers import TeacherArrays
 from torch_kl.backends import Backend
 from torch_kl.layout import Layout
+from torch_kl.teachers import TeacherArrays as TorchTeacherArrays
 
 _FLOATS_JAX_TAKES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -47,8 +48,9 @@ def _jitted(x, weight, bias, teacher, labels, row_weight, loss, run, layout, nee
 
 
 def torch_through_pallas(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, teacher, labels: torch.Tensor | None,
-    row_weight: torch.Tensor | None, loss: Loss, run: RunOptions, layout: Layout, needs: Needs, backend: Backend, *,
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, teacher: TorchTeacherArrays,
+    labels: torch.Tensor | None, row_weight: torch.Tensor | None, loss: Loss, run: RunOptions, layout: Layout,
+    needs: Needs, backend: Backend, *,
     ready: Callable[[], None] | None = None,
 ) -> tuple:  # fmt: skip
     """``torch_kl``'s compute for backend ``"pallas"``: the same outputs as ``torch_kl.driver.forward``

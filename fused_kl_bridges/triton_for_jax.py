@@ -21,6 +21,7 @@ from fused_kl.loss import Loss
 from fused_kl.options import Needs, RunOptions
 from jax_kl.backends import Backend
 from jax_kl.layout import Layout
+from jax_kl.teachers import TeacherArrays as JaxTeacherArrays
 from torch_kl import driver
 from torch_kl.layout import SINGLE
 from torch_kl.teachers import TeacherArrays
@@ -34,7 +35,7 @@ def _torch_stream(ctx: Any, on_gpu: bool):
 
 
 def jax_through_triton(
-    x: jax.Array, weight: jax.Array, bias: jax.Array | None, teacher, labels: jax.Array | None,
+    x: jax.Array, weight: jax.Array, bias: jax.Array | None, teacher: JaxTeacherArrays, labels: jax.Array | None,
     row_weight: jax.Array | None, loss: Loss, run: RunOptions, layout: Layout, needs: Needs, backend: Backend,
 ) -> tuple:  # fmt: skip
     """``jax_kl``'s compute for backend ``"triton"``: the same outputs as ``jax_kl.driver.forward``."""

@@ -4,6 +4,7 @@ rule scales them by the cotangent (mirror of ``torch_kl/autograd.py``)."""
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -53,7 +54,9 @@ def _refuse_tangents(backend: str):
     return identity
 
 
-def needs_and_values(x, weight, bias, teacher, labels, row_weight, backend: Backend) -> tuple[Needs, tuple]:
+def needs_and_values(
+    x: Any, weight: Any, bias: Any, teacher: TeacherArrays, labels: Any, row_weight: Any, backend: Backend
+) -> tuple[Needs, tuple]:
     """With ``symbolic_zeros=True`` a forward rule gets each array as ``CustomVJPPrimal``: its
     ``value``, and whether it is ``perturbed`` (its gradient is asked for). The gradients to
     make, and the arrays: under ``jax.grad(..., argnums=0)`` a frozen head costs no

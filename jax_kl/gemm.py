@@ -25,7 +25,7 @@ from fused_kl.plan import label_block_columns
 SPLIT_MULTIPLE = 128  # mosaic_accumulate.CTA_M, the in-place add's row tile (the TMA takes 64 bf16 columns)
 
 
-def dot(a: jax.Array, b: jax.Array, contract: tuple[int, int], out_dtype) -> jax.Array:
+def dot(a: jax.Array, b: jax.Array, contract: tuple[int, int], out_dtype: jnp.dtype) -> jax.Array:
     """``a`` times ``b`` over the given axes; float32 operands in full float32 (no TF32)."""
     precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else lax.Precision.DEFAULT
     dims = (((contract[0],), (contract[1],)), ((), ()))
@@ -40,7 +40,9 @@ def vocab_parts(v: int, split: bool) -> tuple[slice, ...]:
     return (slice(0, aligned), slice(aligned, v)) if split and 0 < aligned < v else (slice(0, v),)
 
 
-def logits(xc: jax.Array, weight: jax.Array, bias: jax.Array | None, dtype, parts: Sequence[slice]) -> list[jax.Array]:
+def logits(
+    xc: jax.Array, weight: jax.Array, bias: jax.Array | None, dtype: jnp.dtype, parts: Sequence[slice]
+) -> list[jax.Array]:
     """Each part's logits ``xc weight[part]ᵀ (+ bias[part])``, ``[rows, width]``, the bias added in
     float32."""
     out = []
@@ -56,7 +58,7 @@ def logits(xc: jax.Array, weight: jax.Array, bias: jax.Array | None, dtype, part
 def grad_x(
     gs: Sequence[jax.Array],
     weight: jax.Array,
-    dtype,
+    dtype: jnp.dtype,
     parts: Sequence[slice],
     label: LabelTerm | None = None,
     row_scale: jax.Array | None = None,

@@ -54,7 +54,7 @@ def _varying(a) -> frozenset:
     return frozenset(jax.typeof(a).mat.varying)
 
 
-def vocab_shards_inside(batch_axis, vocab_axis) -> int:
+def vocab_shards_inside(batch_axis: str | tuple[str, ...] | None, vocab_axis: str | tuple[str, ...] | None) -> int:
     """The size of ``vocab_axis`` inside the caller's ``shard_map`` (1 for None), after checking
     that both axes are axes of an enclosing ``shard_map``."""
     sizes = {}
@@ -149,8 +149,10 @@ def _placed(mesh, specs: tuple, arrays: tuple) -> tuple:
 
 
 def run_sharded(
-    mesh, layout: Layout, x, weight, bias, teacher, labels, row_weight, loss: Loss, run: RunOptions, backend: Backend
-) -> tuple[jax.Array, jax.Array]:
+    mesh: jax.sharding.Mesh, layout: Layout, x: jax.Array, weight: jax.Array, bias: jax.Array | None,
+    teacher: TeacherArrays, labels: jax.Array | None, row_weight: jax.Array | None, loss: Loss, run: RunOptions,
+    backend: Backend,
+) -> tuple[jax.Array, jax.Array]:  # fmt: skip
     """``(loss, row losses)`` of global arrays on ``mesh``, under ``custom_vjp``: the backend's
     compute run inside one ``shard_map``."""
     _distinct(layout.batch_axis, layout.vocab_axis)
@@ -176,15 +178,16 @@ def run_sharded(
 # -- inside the caller's shard_map ------------------------------------------------------------
 
 
-def vma_checked(batch_axis, vocab_axis) -> bool:
+def vma_checked(batch_axis: str | tuple[str, ...] | None, vocab_axis: str | tuple[str, ...] | None) -> bool:
     """Whether the caller's ``shard_map`` checks varying axes (``check_vma=True``): the backend
     is resolved knowing it (``jax_kl.backends.resolve``)."""
     return any(a in _varying(lax.axis_index(a)) for a in _names(batch_axis) + _names(vocab_axis))
 
 
 def run_inside(
-    layout: Layout, x, weight, bias, teacher, labels, row_weight, loss: Loss, run: RunOptions, backend: Backend
-) -> tuple[jax.Array, jax.Array]:
+    layout: Layout, x: jax.Array, weight: jax.Array, bias: jax.Array | None, teacher: TeacherArrays,
+    labels: jax.Array | None, row_weight: jax.Array | None, loss: Loss, run: RunOptions, backend: Backend,
+) -> tuple[jax.Array, jax.Array]:  # fmt: skip
     """``(the global loss, this device's rows' losses)`` from this device's blocks, inside the
     caller's ``shard_map``."""
     axes = _names(layout.batch_axis) + _names(layout.vocab_axis)

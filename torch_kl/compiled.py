@@ -181,7 +181,8 @@ fused_linear_loss_op.register_autograd(_backward, setup_context=_setup)
 
 
 def apply(
-    x, weight, bias, teacher: TeacherArrays, labels, row_weight, loss: Loss, run: RunOptions, layout: Layout,
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, teacher: TeacherArrays,
+    labels: torch.Tensor | None, row_weight: torch.Tensor | None, loss: Loss, run: RunOptions, layout: Layout,
     needs: Needs, backend: Backend,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``(loss, the rows' own losses)`` through the custom op (the loss's gradients flow through its

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -64,7 +65,7 @@ def _tile_cols(dtype) -> int:
     return 128 // jnp.dtype(dtype).itemsize  # one 128-byte swizzled row of a tile
 
 
-def fits(z: jax.Array, t) -> bool:
+def fits(z: jax.Array, t: DenseChunk | None) -> bool:
     """Whether the TMA can move this chunk's logits (and teacher) as Mosaic GPU needs."""
     arrays = [z] if t is None else [z, t[0]]
     aligned = all(a.shape[1] % _tile_cols(a.dtype) == 0 and a.shape[0] % 8 == 0 for a in arrays)
@@ -104,7 +105,7 @@ def _wide(row: jax.Array, like: jax.Array) -> jax.Array:
     return lax.broadcast_in_dim(row, like.shape, (0,))
 
 
-def read(ref, layout) -> jax.Array:
+def read(ref: Any, layout: plgpu.Layout) -> jax.Array:
     """The whole of ``ref`` in registers, in ``layout``: jax 0.11 takes the ref alone (an index is
     deprecated), 0.10 needs the index."""
     return plgpu.load(ref, layout=layout) if _REF_ONLY else plgpu.load(ref, (), layout=layout)
