@@ -21,7 +21,6 @@ printed, and the run goes on. On one H200, from the repository root (32768 token
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import statistics
 import sys
@@ -37,7 +36,8 @@ from torch import nn
 from fused_kl_cli.cli import prepare_environment
 
 from . import report
-from .measure import GIB, release
+from .impls import Skip, liger_module
+from .measure import GIB, failure_status, release
 
 STEPS = 5  # timed steps per row, after one warm-up step
 TIMING = f"median of {STEPS} steps after 1 warm-up step; CUDA events on a GPU, the wall clock on CPU"
@@ -82,17 +82,10 @@ def unfused(student: nn.Module, teacher: nn.Module, input_ids: torch.Tensor) -> 
     return F.kl_div(log_q, log_p, reduction="batchmean", log_target=True)
 
 
-class Skip(Exception):
-    """A row that cannot run here; the message says why."""
-
-
 def _liger(module: str, on_gpu: bool) -> Any:
     if not on_gpu:
         raise Skip("Liger's kernels need a CUDA GPU")
-    try:
-        return importlib.import_module(module)
-    except ImportError as e:
-        raise Skip(f"{module} is not importable ({e})") from None
+    return liger_module(module)
 
 
 def _on_hidden_states(loss: Callable[..., torch.Tensor]) -> LossFn:
@@ -167,13 +160,8 @@ def run_row(name: str, models: dict[str, Any], batch: int, seq: int, on_gpu: boo
     """The measured fields of one row, or its status; never raises."""
     try:
         return {"status": "ok", **measure_row(IMPLS[name](on_gpu), models, batch, seq, on_gpu)}
-    except Skip as e:
-        return {"status": f"skipped: {e}"}
-    except torch.OutOfMemoryError:
-        return {"status": "OOM"}
     except Exception as e:
-        print(f"{name} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        return {"status": f"failed: {type(e).__name__}: {e}".splitlines()[0][:160]}
+        return failure_status(name, e)
 
 
 def _cell(value: float | None, spec: str) -> str:

@@ -131,7 +131,7 @@ def _compiled_unfused(mode_name: str) -> LossFn:
     return torch.compile(unfused.TORCH[mode_name])
 
 
-def _liger_module(name: str) -> Any:
+def liger_module(name: str) -> Any:
     """Liger's module ``name``; a row without Liger is skipped, saying why."""
     try:
         return importlib.import_module(name)
@@ -142,7 +142,7 @@ def _liger_module(name: str) -> Any:
 def _liger(mode: Mode, accum_dtype: torch.dtype | None = None) -> LossFn:
     """Liger's fused loss of the mode, where it has one: the KL against probabilities, the JSD
     family against a teacher head (``jsd_beta`` 0: forward KL, 1: reverse), and the cross-entropy."""
-    liger = _liger_module("liger_kernel.transformers")
+    liger = liger_module("liger_kernel.transformers")
     if mode.name == "kl":
         kl = liger.LigerFusedLinearKLDivLoss(accum_dtype=accum_dtype)
         return lambda x, w, a: kl(x, w, a["target"])
@@ -161,7 +161,7 @@ def _liger_chunked(mode: Mode) -> LossFn:
     a teacher head, soft term only; it takes labels for its hard term, here weighted 0."""
     if mode.teacher != "hidden":
         raise Skip(f"Liger's chunked JSD takes a teacher head; mode {mode.name!r} has none")
-    chunked = _liger_module("liger_kernel.chunked_loss")
+    chunked = liger_module("liger_kernel.chunked_loss")
     jsd = chunked.LigerFusedLinearJSDLoss(weight_hard_loss=0.0, weight_soft_loss=1.0, beta=mode.beta)
     labels: dict[int, torch.Tensor] = {}
 

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from fused_kl.checks import BackendUnavailable
+
 from .impls import Impl, Skip
 from .modes import Inputs
 
@@ -156,16 +158,22 @@ def measure(
         return {"status": f"skipped: needs ~{estimate / GIB:.0f} GiB"}
     try:
         return _measure(impl, inputs, ref, timing, on_gpu, floor_step)
-    except Skip as e:
-        return {"status": f"skipped: {e}"}
     except Exception as e:
-        if _is_oom(e):
-            return {"status": "OOM"}
-        message = f"{type(e).__name__}: {e}"
-        if isinstance(e, ValueError) and "is not available here" in message:  # fused_kl.checks.backend_unavailable
-            return {"status": f"skipped: {message.split('is not available here: ', 1)[-1][:120]}"}
-        print(f"{name} failed: {message[:2000]}", file=sys.stderr, flush=True)
-        return {"status": f"failed: {message.splitlines()[0][:120]}"}
+        return failure_status(name, e)
+
+
+def failure_status(name: str, e: Exception) -> dict[str, str]:
+    """The status of a row that raised ``e``: skipped (saying why), out of memory, or failed (the
+    error printed to stderr too)."""
+    if isinstance(e, Skip):
+        return {"status": f"skipped: {e}"}
+    if isinstance(e, BackendUnavailable):
+        return {"status": f"skipped: {e.why[:120]}"}
+    if _is_oom(e):
+        return {"status": "OOM"}
+    message = f"{type(e).__name__}: {e}"
+    print(f"{name} failed: {message[:2000]}", file=sys.stderr, flush=True)
+    return {"status": f"failed: {message.splitlines()[0][:120]}"}
 
 
 def release() -> None:

@@ -394,9 +394,17 @@ def check_int32_ignore_index(ignore_index: int, why: str) -> None:
         raise ValueError(f"ignore_index: expected an int that fits in 32 bits ({why}), got {ignore_index!r}")
 
 
-def backend_unavailable(backend: str, why: str) -> ValueError:
+class BackendUnavailable(ValueError):
+    """A known backend that cannot run here: its name (``backend``) and why (``why``)."""
+
+    def __init__(self, backend: str, why: str) -> None:
+        super().__init__(f"backend: {backend!r} is not available here: {why}")
+        self.backend, self.why = backend, why
+
+
+def backend_unavailable(backend: str, why: str) -> BackendUnavailable:
     """The error for a known backend that cannot run here, saying why."""
-    return ValueError(f"backend: {backend!r} is not available here: {why}")
+    return BackendUnavailable(backend, why)
 
 
 def unknown_backend(backend: object, names: tuple[str, ...]) -> ValueError:
