@@ -54,7 +54,7 @@ def _refuse_tangents(backend: str):
     return identity
 
 
-def needs_and_values(
+def _needs_and_values(
     x: Any, weight: Any, bias: Any, teacher: TeacherArrays, labels: Any, row_weight: Any, backend: Backend
 ) -> tuple[Needs, tuple]:
     """With ``symbolic_zeros=True`` a forward rule gets each array as ``CustomVJPPrimal``: its
@@ -69,11 +69,21 @@ def needs_and_values(
     return needs, values
 
 
+def compute_primals(
+    primals: tuple, loss: Loss, run: RunOptions, layout: Layout, backend: Backend
+) -> tuple[jax.Array, jax.Array, tuple]:
+    """A forward rule's work (every layout's): ``(loss, row losses, (grad_x, grad_weight,
+    grad_bias))`` of the primals ``(x, weight, bias, teacher, labels, row_weight)``, each gradient
+    made only where it is asked for (:func:`_needs_and_values`)."""
+    needs, arrays = _needs_and_values(*primals, backend)
+    value, rows, *grads = backend.compute(*arrays, loss, run, layout, needs, backend)
+    return value, rows, tuple(grads)
+
+
 def _forward(x, weight, bias, teacher, labels, row_weight, values, loss, run, layout, backend):
-    needs, arrays = needs_and_values(x, weight, bias, teacher, labels, row_weight, backend)
     loss = with_values(loss, jax.tree.map(lambda p: p.value, values))
-    value, rows, grad_x, grad_w, grad_b = backend.compute(*arrays, loss, run, layout, needs, backend)
-    return (value, rows), (grad_x, grad_w, grad_b)
+    value, rows, grads = compute_primals((x, weight, bias, teacher, labels, row_weight), loss, run, layout, backend)
+    return (value, rows), grads
 
 
 def scale_grad(grad: jax.Array | None, ct: jax.Array) -> jax.Array | None:

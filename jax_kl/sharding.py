@@ -39,7 +39,7 @@ from fused_kl.backend import Compute
 from fused_kl.loss import NO_VALUES, Loss
 from fused_kl.options import Needs, RunOptions
 
-from .autograd import fused_linear_loss, loss_cotangent, needs_and_values, scale_grad
+from .autograd import compute_primals, fused_linear_loss, loss_cotangent, scale_grad
 from .backends import Backend
 from .layout import Layout
 from .teachers import TeacherArrays
@@ -204,9 +204,9 @@ def _inside(x, weight, bias, teacher, labels, row_weight, loss, run, layout: Lay
 
 
 def _inside_forward(x, weight, bias, teacher, labels, row_weight, loss, run, layout, backend, how):
-    needs, arrays = needs_and_values(x, weight, bias, teacher, labels, row_weight, backend)
-    value, rows, grad_x, grad_w, grad_b = backend.compute(*arrays, loss, run, layout, needs, backend)
-    return (layout.batch_sum(value), rows), (grad_x, grad_w, grad_b)
+    del how  # the backward rule's
+    value, rows, grads = compute_primals((x, weight, bias, teacher, labels, row_weight), loss, run, layout, backend)
+    return (layout.batch_sum(value), rows), grads
 
 
 def _inside_backward(loss, run, layout, backend, how, res, cts):
