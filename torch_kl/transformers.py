@@ -240,8 +240,19 @@ def distillation_loss(
         t_hidden = t_body(**body_inputs).last_hidden_state
     if labels is not None:  # position t predicts token t + 1: the last position has no target
         hidden, t_hidden = hidden[:, :-1], t_hidden[:, :-1]
+    return loss_on_heads(hidden, t_hidden, row_labels, s_parts, t_parts, **options)
+
+
+def loss_on_heads(
+    hidden: torch.Tensor, t_hidden: torch.Tensor, labels: torch.Tensor | None, s_parts: CausalLMParts,
+    t_parts: CausalLMParts, **options: Any,
+) -> torch.Tensor:  # fmt: skip
+    """``fused_linear_kl_div`` of the student's and the teacher's hidden states through their models'
+    heads and logit transforms (:func:`causal_lm_parts`), ``labels`` under transformers' -100
+    convention; ``options`` the loss's others. What :func:`distillation_loss` and the TRL trainer
+    compute once they have the hidden states."""
     return fused_linear_kl_div(
-        hidden, s_parts.head.weight, t_hidden, row_labels, bias=s_parts.head.bias, ignore_index=IGNORE_INDEX,
+        hidden, s_parts.head.weight, t_hidden, labels, bias=s_parts.head.bias, ignore_index=IGNORE_INDEX,
         target_format="hidden", teacher_weight=t_parts.head.weight, teacher_bias=t_parts.head.bias,
         logit_scale=s_parts.logit_scale, softcap=s_parts.softcap,
         teacher_logit_scale=t_parts.logit_scale, teacher_softcap=t_parts.softcap, **options,

@@ -28,8 +28,7 @@ from packaging.version import Version
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from . import fused_linear_kl_div
-from .transformers import IGNORE_INDEX, causal_lm_parts, distillation_loss
+from .transformers import IGNORE_INDEX, causal_lm_parts, distillation_loss, loss_on_heads
 
 SUPPORTED_GKD = SpecifierSet(">=1.8,<2")
 SUPPORTED_DISTILLATION = SpecifierSet(">=1.16,<1.17")
@@ -141,12 +140,9 @@ if TRL_VERSION in SUPPORTED_DISTILLATION:
             device = s_parts.head.weight.device  # with a device_map the body may end elsewhere
             # Hidden position j is aligned to completion token j: its label for a hard term, if any.
             labels = torch.where(loss_mask.to(device) != 0, completion_ids.to(device), IGNORE_INDEX)
-            loss = fused_linear_kl_div(
-                hidden.to(device), s_parts.head.weight, t_hidden.to(device), labels, bias=s_parts.head.bias,
-                ignore_index=IGNORE_INDEX, target_format="hidden", teacher_weight=t_parts.head.weight,
-                teacher_bias=t_parts.head.bias, logit_scale=s_parts.logit_scale, softcap=s_parts.softcap,
-                teacher_logit_scale=t_parts.logit_scale, teacher_softcap=t_parts.softcap,
-                beta=self.beta, temperature=self.temperature, reduction="sum", **self.loss_options,
+            loss = loss_on_heads(
+                hidden.to(device), t_hidden.to(device), labels, s_parts, t_parts, beta=self.beta,
+                temperature=self.temperature, reduction="sum", **self.loss_options,
             )  # fmt: skip
             n_valid = (labels != IGNORE_INDEX).sum()
             if num_items_in_batch is None:
