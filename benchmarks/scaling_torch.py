@@ -44,7 +44,7 @@ def _median_ms(step: Callable[[], object], reps: int, device: torch.device) -> f
     return statistics.median(times)
 
 
-def measure(rank: int, world: int, n: int, head: str, reps: int) -> dict[str, float]:
+def measure(rank: int, world: int, n: int, head: str, reps: int) -> dict[str, float | list[int]]:
     on_gpu = torch.cuda.is_available()
     device = torch.device("cuda", rank) if on_gpu else torch.device("cpu")
     dtype = torch.bfloat16 if on_gpu else torch.float32
