@@ -395,16 +395,12 @@ def check_int32_ignore_index(ignore_index: int, why: str) -> None:
 
 
 class BackendUnavailable(ValueError):
-    """A known backend that cannot run here: its name (``backend``) and why (``why``)."""
+    """The error for a known backend that cannot run here: its name (``backend``) and why
+    (``why``), both in the message."""
 
     def __init__(self, backend: str, why: str) -> None:
         super().__init__(f"backend: {backend!r} is not available here: {why}")
         self.backend, self.why = backend, why
-
-
-def backend_unavailable(backend: str, why: str) -> BackendUnavailable:
-    """The error for a known backend that cannot run here, saying why."""
-    return BackendUnavailable(backend, why)
 
 
 def unknown_backend(backend: object, names: tuple[str, ...]) -> ValueError:

@@ -113,7 +113,7 @@ def chunk(
     ]
     es, each, maxima = (tuple(column) for column in zip(*passes, strict=True))
     stats = layout.combine_stats(parts_stats(each, jnp))
-    c_soft, c_hard, c_z = scales.soft, scales.hard, rowmath.z_scale(stats, scales)  # z: a multiple of q
+    c_soft, c_hard, c_z = scales.soft, scales.hard, rowmath.z_scale(stats, scales)  # the z-loss's: a multiple of q
     soft, sparse, k = None, None, None  # k: a top-k teacher's rows' K
     if topk is not None:
         soft, k, at, g_at, write = topk_part(

@@ -108,10 +108,10 @@ def test_check_catches_a_small_error_in_one_case(monkeypatch: pytest.MonkeyPatch
 
 
 def test_check_skips_an_unavailable_backend(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
-    from fused_kl.checks import backend_unavailable
+    from fused_kl.checks import BackendUnavailable
 
     def unavailable(backend: str, case: check.Case, p: check.Problem):
-        raise backend_unavailable(backend, "no such device here")
+        raise BackendUnavailable(backend, "no such device here")
 
     monkeypatch.setattr(check, "_run_torch", unavailable)
     monkeypatch.setattr(check, "backends", lambda: {"torch/gone": "a fake"})

@@ -192,8 +192,7 @@ class FusedLinearCrossEntropyLoss(torch.nn.Module):
         self.options = _constructor_options(
             options, fused_linear_cross_entropy, ("x", "weight", "labels", "bias", "row_weight")
         )
-        rest = {k: v for k, v in self.options.items() if k != "reduction"}
-        check_module_options(cross_entropy_options(self.options.get("reduction", "mean"), **rest), False)
+        check_module_options(cross_entropy_options(**{"reduction": "mean", **self.options}), False)
 
     def forward(
         self,

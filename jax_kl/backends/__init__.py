@@ -23,7 +23,7 @@ from types import ModuleType
 import jax
 
 from fused_kl.backend import Compute, NamedByEntry
-from fused_kl.checks import backend_unavailable, unknown_backend
+from fused_kl.checks import BackendUnavailable, unknown_backend
 
 
 def _on_gpu() -> bool:
@@ -262,7 +262,7 @@ def resolve(name: object, *, check_vma: bool = False) -> Backend:
                 return entry.build(entry)
     entry = REGISTRY[name]  # type: ignore[index]
     if (why := entry.missing()) is not None:
-        raise backend_unavailable(str(name), why)
+        raise BackendUnavailable(str(name), why)
     _check_vma(entry, check_vma)
     return entry.build(entry)
 

@@ -33,7 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from fused_kl import factored, rowmath, terms
-from fused_kl.checks import backend_unavailable
+from fused_kl.checks import BackendUnavailable
 from fused_kl.loss import Loss
 from fused_kl.rows import COEFS, STATS, Coefs, MixtureSums, Stats
 
@@ -74,7 +74,7 @@ def fits(z: jax.Array, t: DenseChunk | None) -> bool:
 
 def _require_fit(z: jax.Array, t) -> None:
     if not fits(z, t):
-        raise backend_unavailable(
+        raise BackendUnavailable(
             "pallas_mosaic",
             f"the TMA needs the vocabulary (slice) to be a multiple of 128 bytes (64 bf16 or 32 float32 "
             f"columns), chunks of rows in multiples of 8 and a teacher chunk starting on a multiple of {R} "

@@ -17,7 +17,7 @@ from types import ModuleType
 import torch
 
 from fused_kl.backend import Compute, NamedByEntry
-from fused_kl.checks import backend_unavailable, unknown_backend
+from fused_kl.checks import BackendUnavailable, unknown_backend
 
 
 def _triton_missing(device: torch.device) -> str | None:
@@ -171,5 +171,5 @@ def resolve(name: object, device: torch.device) -> Backend:
                 return entry.build(entry, device)
     entry = REGISTRY[ALIASES.get(name, name)]  # type: ignore[arg-type]
     if (why := entry.missing(device)) is not None:
-        raise backend_unavailable(str(name), why)
+        raise BackendUnavailable(str(name), why)
     return entry.build(entry, device)
