@@ -232,6 +232,8 @@ def check_arrays(loss: Loss, arrays: dict[str, ArrayFacts | None], v_total: int 
     if weight.dtype != x.dtype:
         raise TypeError(f"weight: expected the dtype of x ({x.dtype}), got {weight.dtype}")
     ref = _device_reference(arrays)
+    if ref[0].device == "meta":  # shapes without values: nothing a loss can be computed from
+        raise ValueError(f"{ref[1]}: expected an array with values, got one on the meta device")
     _same_device("weight", weight, *ref)
     if len(x.shape) not in (2, 3):
         raise ValueError(f"x: expected shape [N, H] or [B, T, H], got {_shape(x)}")

@@ -232,6 +232,7 @@ BAD = {
     "accum_dtype float64": Bad(TypeError, "accum_dtype", lambda fw: {"accum_dtype": fw.dtype("float64")}),
     "accum_dtype not a dtype": Bad(TypeError, "accum_dtype", option(accum_dtype="banana"), same_message=False),
     # ---- devices (torch: the meta device stands for another device)
+    "x on the meta device": Bad(ValueError, "x", _meta("x"), frameworks=(Torch,), contains=("meta device",)),
     "weight on another device": Bad(ValueError, "weight", _meta("weight"), frameworks=(Torch,)),
     "target on another device": Bad(ValueError, "target", _meta("target"), frameworks=(Torch,)),
     "labels on another device": Bad(ValueError, "labels", _meta("labels"), frameworks=(Torch,)),

@@ -23,9 +23,11 @@ def _autocast(arrays: dict[str, Any]) -> dict[str, Any]:
     ``bias``) in the autocast dtype, as ``nn.Linear`` would run them; before the checks, so that the
     mix autocast allows (a float32 head beside bfloat16 activations) is not refused."""
     x = arrays.get("x")
-    if not isinstance(x, torch.Tensor) or not torch.is_autocast_enabled(x.device.type):
+    device = x.device.type if isinstance(x, torch.Tensor) else None
+    # A device autocast does not know ("meta") has no autocast state to ask about.
+    if device is None or not torch.amp.is_autocast_available(device) or not torch.is_autocast_enabled(device):
         return arrays
-    dtype = torch.get_autocast_dtype(x.device.type)
+    dtype = torch.get_autocast_dtype(device)
     cast = {k: a.to(dtype) for k in ("x", "weight", "bias") if isinstance(a := arrays.get(k), torch.Tensor)
             and a.is_floating_point()}  # fmt: skip
     return arrays | cast
