@@ -19,14 +19,15 @@ from .rows import COEFS, STATS, Coefs, MixtureSums, Stats
 @dataclass(frozen=True)
 class RowOps:
     """``chunk``: the framework's :class:`~fused_kl.chunk.ChunkOps` (``xp``, ``gather``, ``f32``);
-    ``lse(a)``: the log-sum-exp of each row, -inf for an empty one; ``teacher_rows(t, rows)``: the
-    dense teacher's rows of this chunk in float32; ``columns(a)``: ``0 .. a.shape[1] - 1`` on
+    ``lse(a)``: the log-sum-exp of each row, -inf for an empty one; ``teacher_rows(t, shape)``: the
+    dense teacher's block of this chunk (``shape``, the logits': its rows, its first columns) in
+    float32; ``columns(a)``: ``0 .. a.shape[1] - 1`` on
     ``a``'s device; ``write(z, g)``: ``dL/dz`` out in ``z``'s dtype (torch: over ``z``; JAX: a new
     array)."""
 
     chunk: ChunkOps
     lse: Callable[[Any], Any]
-    teacher_rows: Callable[[Any, int], Any]
+    teacher_rows: Callable[[Any, tuple[int, int]], Any]
     columns: Callable[[Any], Any]
     write: Callable[[Any, Any], Any]
 
@@ -35,13 +36,13 @@ def _student(z: Any, loss: Loss, ops: RowOps) -> Any:
     return terms.transform(ops.chunk.f32(z), loss.logit_scale, loss.softcap, ops.chunk.xp)
 
 
-def _teacher(t: Any, rows: int, loss: Loss, lse_t: Any, ops: RowOps) -> tuple[Any, Any]:
-    return terms.teacher_probs(ops.teacher_rows(t, rows), loss.teacher, lse_t[:, None], ops.chunk.xp)  # type: ignore[arg-type]
+def _teacher(t: Any, shape: tuple[int, int], loss: Loss, lse_t: Any, ops: RowOps) -> tuple[Any, Any]:
+    return terms.teacher_probs(ops.teacher_rows(t, shape), loss.teacher, lse_t[:, None], ops.chunk.xp)  # type: ignore[arg-type]
 
 
 def stats(z: Any, t: Any | None, y: Any | None, loss: Loss, ops: RowOps) -> Any:
     """``fused_kl.rows.Stats`` of each row of the chunk (local to this vocabulary slice)."""
-    xp, rows = ops.chunk.xp, z.shape[0]
+    xp = ops.chunk.xp
     f = _student(z, loss, ops)
     lse = ops.lse(f / loss.temperature)
     lse_h = ops.lse(f) if loss.separate_hard_lse else lse
@@ -49,11 +50,11 @@ def stats(z: Any, t: Any | None, y: Any | None, loss: Loss, ops: RowOps) -> Any:
     if t is not None:
         teacher = loss.teacher
         if teacher.has_logits or loss.kind == "reverse":  # type: ignore[union-attr]
-            b = terms.teacher_log(ops.teacher_rows(t, rows), teacher, xp)  # type: ignore[arg-type]
+            b = terms.teacher_log(ops.teacher_rows(t, z.shape), teacher, xp)  # type: ignore[arg-type]
         if teacher.has_logits:  # type: ignore[union-attr]
             lse_t = ops.lse(b)
         elif loss.kind == "forward":
-            mass = _teacher(t, rows, loss, lse_t, ops)[0].sum(-1)
+            mass = _teacher(t, z.shape, loss, lse_t, ops)[0].sum(-1)
         if loss.kind == "reverse":
             log_q = f / loss.temperature - lse[:, None]
             rho = terms.reverse_term(xp.exp(log_q), log_q, b).sum(-1)
@@ -67,7 +68,7 @@ def mixture_sums(z: Any, t: Any, stats: Any, loss: Loss, ops: RowOps) -> Any:
     """Phase 2 (JSD): each row's ``fused_kl.rows.MixtureSums``, of ``fused_kl.terms.jsd_terms``."""
     xp = ops.chunk.xp
     log_q = _student(z, loss, ops) / loss.temperature - stats[:, STATS.lse, None]
-    p, log_p = _teacher(t, z.shape[0], loss, stats[:, STATS.lse_teacher], ops)
+    p, log_p = _teacher(t, z.shape, loss, stats[:, STATS.lse_teacher], ops)
     a, b = terms.jsd_terms(xp.exp(log_q), log_q, p, log_p, loss.beta, xp)
     return xp.stack(MixtureSums(teacher=a.sum(-1), student=b.sum(-1)), -1)
 
@@ -84,7 +85,7 @@ def finish(
     partial = xp.zeros_like(coefs[:, COEFS.lse])
     p = log_p = q
     if t is not None:
-        p, log_p = _teacher(t, z.shape[0], loss, coefs[:, COEFS.lse_teacher], ops)
+        p, log_p = _teacher(t, z.shape, loss, coefs[:, COEFS.lse_teacher], ops)
         if loss.kind == "forward":
             partial = terms.forward_term(p, log_p, log_q, xp).sum(-1)
     if not write_grad:

@@ -303,6 +303,20 @@ def test_a_chunk_in_vocabulary_parts_gives_the_whole_chunks_results(backend: str
     assert "f32[5,256]" in program and "f32[5,44]" in program
 
 
+def test_a_dense_teacher_in_vocabulary_parts_is_read_where_it_lies() -> None:
+    """The part of the first columns takes the user's array itself (rows ``V`` apart, from the
+    chunk's first row); only the few columns left are sliced out."""
+    from fused_kl.loss import Loss, Teacher
+    from jax_kl import gemm, teachers
+
+    target = jnp.zeros((300, 1025), jnp.float32)
+    parts = gemm.vocab_parts(1025, True)
+    first, rest = teachers.dense_chunk(Loss(teacher=Teacher("probs", 1.0)), teachers.TeacherArrays(target), 64, 128,
+                                       None, parts)  # fmt: skip
+    assert first[0] is target and first[1] == 64
+    assert rest[0].shape == (64, 1025 - parts[0].stop) and rest[1] == 0
+
+
 class _AddInPlace:
     """A stand-in for ``mosaic_accumulate`` (which runs on Hopper only): any operands fit; adds
     ``gᵀ x`` into the accumulator's first rows. ``calls`` names its functions as they are traced."""

@@ -118,6 +118,7 @@ def test_chunks_the_tma_cannot_move_are_refused_by_name() -> None:
     assert not pallas_mosaic.fits(jnp.zeros((60, 128), jnp.bfloat16), None)  # rows % 8
     assert not pallas_mosaic.fits(aligned, (jnp.zeros((128, 128), jnp.float32), 32))  # teacher row 32
     assert pallas_mosaic.fits(aligned, (jnp.zeros((128, 128), jnp.float32), 64))
+    assert not pallas_mosaic.fits(aligned, (jnp.zeros((128, 129), jnp.float32), 64))  # teacher rows V + 1 apart
     with pytest.raises(ValueError, match=r"^backend: 'pallas_mosaic' is not available here: the TMA needs"):
         pallas_mosaic.stats(odd_v, None, None, Loss(teacher=None, weight_hard=1.0, weight_soft=0.0), (1, 1))
 
@@ -141,6 +142,8 @@ def test_pallas_runs_the_xla_phases_where_mosaic_cannot_move_a_chunk() -> None:
     assert with_mosaic.chunk_phases(z, None) is pallas_mosaic
     assert with_mosaic.chunk_phases(jnp.zeros((64, 100), jnp.bfloat16), None) is xla_phases
     assert with_mosaic.chunk_phases(z, (jnp.zeros((64, 128), jnp.float32), 32)) is xla_phases  # teacher row 32
+    # an unaligned vocabulary's aligned part, its dense teacher the user's array (rows V + 1 apart)
+    assert with_mosaic.chunk_phases(z, (jnp.zeros((128, 129), jnp.float32), 64)) is xla_phases
 
 
 @pytest.mark.parametrize("mosaic", [True, False])
@@ -341,5 +344,6 @@ def test_vocabulary_parts_split_where_the_in_place_add_takes_the_aligned_part() 
     assert _mosaic_calls(jax_pallas_on_hopper(), 1024, 256, 8291) == (4 * 3 + 1 + 1, 3)
     # one part: all on XLA but the labels' rows
     assert _mosaic_calls(jax_pallas_on_hopper(vocab_parts=False), 1024, 256, 8291) == (1, 0)
-    # a dense teacher's aligned columns go with the aligned part: its stats and finish too (no labels)
-    assert _mosaic_calls(jax_pallas_on_hopper(), 1024, 256, 8291, probs=True) == (4 * 3 + 1, 3)
+    # against a dense teacher, read where it lies (rows V apart, which the TMA cannot move), the
+    # aligned part's stats and finish run on XLA: its grad_weight GEMMs and the row writer only
+    assert _mosaic_calls(jax_pallas_on_hopper(), 1024, 256, 8291, probs=True) == (4 + 1, 3)

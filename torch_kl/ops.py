@@ -29,7 +29,7 @@ def _lse(a: torch.Tensor) -> torch.Tensor:
 ROW_OPS = RowOps(
     chunk=OPS,
     lse=_lse,
-    teacher_rows=lambda t, rows: t.float(),  # the chunk's rows already
+    teacher_rows=lambda t, shape: t.float(),  # the chunk's block already
     columns=lambda a: torch.arange(a.shape[1], device=a.device),
     write=lambda z, g: z.copy_(g),  # over the logits, as the Triton kernels write it
 )
