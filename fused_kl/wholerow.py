@@ -21,9 +21,8 @@ class RowOps:
     """``chunk``: the framework's :class:`~fused_kl.chunk.ChunkOps` (``xp``, ``gather``, ``f32``);
     ``lse(a)``: the log-sum-exp of each row, -inf for an empty one; ``teacher_rows(t, shape)``: the
     dense teacher's block of this chunk (``shape``, the logits': its rows, its first columns) in
-    float32; ``columns(a)``: ``0 .. a.shape[1] - 1`` on
-    ``a``'s device; ``write(z, g)``: ``dL/dz`` out in ``z``'s dtype (torch: over ``z``; JAX: a new
-    array)."""
+    float32; ``columns(a)``: ``0 .. a.shape[1] - 1`` on ``a``'s device; ``write(z, g)``: ``dL/dz``
+    out in ``z``'s dtype (torch: over ``z``; JAX: a new array)."""
 
     chunk: ChunkOps
     lse: Callable[[Any], Any]

@@ -93,6 +93,20 @@ def test_finish_writes_dl_dz_over_the_logits() -> None:
     assert "output_operand_alias" in calls[1] and "operand_index = 0" in calls[1]
 
 
+def test_a_dense_teacher_wider_than_the_logits_is_moved_by_the_tma() -> None:
+    """At a vocabulary a multiple of 64 columns but not of 128, the aligned part's teacher is the
+    user's array, a tile wider than its logits: the TMA moves its first columns, every phase one
+    Mosaic GPU kernel that takes the array whole."""
+    loss = Loss(teacher=Teacher("probs", 1.0))
+    z = jax.ShapeDtypeStruct((ROWS, V), jnp.bfloat16)
+    target = jax.ShapeDtypeStruct((ROWS + 64, V + 64), jnp.bfloat16)
+    assert pallas_mosaic.fits(jnp.zeros(z.shape, z.dtype), (jnp.zeros(target.shape, target.dtype), 64))
+    text = jax.jit(lambda z, t: _chunk(pallas_mosaic, loss, z, (t, 64), None)).trace(z, target).lower(
+        lowering_platforms=("cuda",)).as_text()  # fmt: skip
+    calls = [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
+    assert len(calls) == 2 and all(f"tensor<{ROWS + 64}x{V + 64}xbf16>" in line for line in calls)
+
+
 @pytest.mark.parametrize("softcap", [None, 20.0])
 def test_logarithms_are_approximate_and_tanh_is_not(softcap) -> None:
     """JSD's ``mixture_sums`` kernel takes the hardware's ``lg2.approx`` for ``log p`` and ``log m`` (as
