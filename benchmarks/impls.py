@@ -328,8 +328,8 @@ def build() -> dict[str, Impl]:
         impls["jax_kl/pallas-whole-vocab"] = Impl("jax", _jitted(_jax_kl_variant(vocab_parts=False)))
         # the cross-entropy's chunks through the row phases (stats, finish), not factored
         impls["jax_kl/pallas-unfactored"] = Impl("jax", _jitted(_jax_kl_variant(factored=None)))
-        # every chunk's row phases on XLA: prices the Mosaic GPU phases (and at an unaligned
-        # vocabulary with a dense teacher, the aligned copy of its columns they read)
+        # every chunk's row phases on XLA: prices the Mosaic GPU phases (at an unaligned vocabulary
+        # with a dense teacher, the default already runs that chunk's phases on XLA)
         impls["jax_kl/pallas-xla-phases"] = Impl("jax", _jitted(_jax_kl_variant(mosaic_phases=None)))
         # the label's entries written into dL/dz by `finish`
         impls["jax_kl/pallas-label-in-dz"] = Impl("jax", _jitted(_jax_kl_variant(label_apart=False)))
