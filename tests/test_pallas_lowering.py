@@ -361,3 +361,5 @@ def test_vocabulary_parts_split_where_the_in_place_add_takes_the_aligned_part() 
     # against a dense teacher, read where it lies (rows V apart, which the TMA cannot move), the
     # aligned part's stats and finish run on XLA: its grad_weight GEMMs and the row writer only
     assert _mosaic_calls(jax_pallas_on_hopper(), 1024, 256, 8291, probs=True) == (4 + 1, 3)
+    assert pallas_mosaic.NAME in _grad_weight_lowering(jax_pallas_on_hopper(), 1024, 256, 8291, False)
+    assert pallas_mosaic.NAME not in _grad_weight_lowering(jax_pallas_on_hopper(), 1024, 256, 8291, True)
