@@ -27,7 +27,8 @@ class TeacherArrays(NamedTuple):
     indices: jax.Array | None = None
 
 
-# A dense teacher as the row phases take it: the array and the row where the chunk starts.
+# A dense teacher as the row phases take it: the array and the row where the chunk starts; the
+# chunk's columns are the array's first ones, as many as its logits have.
 DenseChunk = tuple[jax.Array, int]
 
 
